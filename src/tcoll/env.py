@@ -1,0 +1,131 @@
+"""Every TCOLL_* tuning variable, parsed in one place.
+
+Rendezvous variables (rank, size, master address) are read by
+`tcoll.rendezvous`; this module holds the knobs that shape how data moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["Settings", "parse_size", "TRANSPORT_CHOICES"]
+
+TRANSPORT_CHOICES = ("auto", "shm", "tcp")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count such as ``4096``, ``"256K"``, ``"4MiB"`` or ``"1G"``.
+
+    Args:
+        text: an integer, or a number with an optional K/M/G suffix (powers of 1024).
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a byte size: {text!r} (examples: 4096, 256K, 4MiB, 1G)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How tcoll moves data; defaults, overridden by TCOLL_* variables and keywords.
+
+    Attributes:
+        timeout: seconds any blocking wait may take before `tcoll.TimeoutError` (TCOLL_TIMEOUT).
+        transport: "auto" (shm between ranks of one host, else tcp), "shm" or "tcp" (TCOLL_TRANSPORT).
+        shm_ring: bytes of each shared-memory channel ring, per ordered pair of ranks; 0 sizes
+            it from the number of ranks on the host (TCOLL_SHM_RING).
+        shm_chunk: most bytes moved by one copy step through a ring; smaller chunks
+            pipeline sooner, larger ones cost less Python per byte (TCOLL_SHM_CHUNK).
+        eager_limit: unexpected messages up to this size are copied aside at once; larger
+            ones wait in their channel until a matching receive is posted (TCOLL_EAGER_LIMIT).
+        spin_us: most microseconds a waiting rank polls before it blocks (TCOLL_SPIN_US).
+        liveness_interval: seconds between checks that blocked-on peers still live (TCOLL_LIVENESS).
+        tcp_addr: address to advertise for TCP connections; empty: found from the route
+            to the master (TCOLL_TCP_ADDR).
+        auth_key: shared secret; when set, every TCP connection is authenticated with
+            an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
+    """
+
+    timeout: float = 300.0
+    transport: str = "auto"
+    shm_ring: int = 0
+    shm_chunk: int = 512 << 10
+    eager_limit: int = 64 << 10
+    spin_us: float = 100.0
+    liveness_interval: float = 1.0
+    tcp_addr: str = ""
+    auth_key: str = ""
+
+    _ENV = {
+        "timeout": ("TCOLL_TIMEOUT", float),
+        "transport": ("TCOLL_TRANSPORT", str),
+        "shm_ring": ("TCOLL_SHM_RING", parse_size),
+        "shm_chunk": ("TCOLL_SHM_CHUNK", parse_size),
+        "eager_limit": ("TCOLL_EAGER_LIMIT", parse_size),
+        "spin_us": ("TCOLL_SPIN_US", float),
+        "liveness_interval": ("TCOLL_LIVENESS", float),
+        "tcp_addr": ("TCOLL_TCP_ADDR", str),
+        "auth_key": ("TCOLL_AUTH_KEY", str),
+    }
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from the environment, then apply keyword overrides.
+
+        Args:
+            environ: the variables to read (default: os.environ).
+            **overrides: field values that win over the environment; None means "not given".
+
+        Returns:
+            Validated settings.
+
+        Raises:
+            ValueError: a variable or override has a bad value.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field, (var, convert) in cls._ENV.items():  # type: ignore[attr-defined]
+            raw = environ.get(var)
+            if raw not in (None, ""):
+                try:
+                    values[field] = convert(raw)
+                except ValueError as exc:
+                    raise ValueError(f"{var}={raw!r}: {exc}") from None
+        for field, value in overrides.items():
+            if value is not None:
+                values[field] = parse_size(value) if field in ("shm_ring", "shm_chunk", "eager_limit") else value
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Check the values are usable.
+
+        Raises:
+            ValueError: naming the bad field.
+        """
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, not {self.transport!r}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, not {self.timeout}")
+        if self.shm_chunk < 64:
+            raise ValueError(f"shm_chunk must be at least 64 bytes, not {self.shm_chunk}")
+        if self.shm_ring and self.shm_ring < 2 * self.shm_chunk:
+            raise ValueError(f"shm_ring ({self.shm_ring}) must hold at least two chunks of {self.shm_chunk}")
+        if self.spin_us < 0 or self.liveness_interval <= 0:
+            raise ValueError("spin_us must be >= 0 and liveness_interval > 0")
