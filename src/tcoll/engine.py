@@ -1,0 +1,323 @@
+"""The point-to-point engine of one rank: matching, progress and waiting.
+
+One engine per rank owns a channel per peer (whatever transport serves it),
+the receives posted but not yet matched, and the messages that arrived before
+their receive was posted. Progress is driven by the callers: whoever waits
+moves data for everyone (as MPI does without a progress thread), under one
+lock, so concurrent waiters on several threads are safe.
+
+Waiting is adaptive (see `tcoll.waiting`): poll for a self-tuned budget, yield,
+then block on this rank's doorbell, which every peer rings after it publishes
+data or frees space for us. While blocked, the engine wakes every
+`liveness_interval` seconds to ask the channels it waits on whether their
+peers still live, so a dead peer fails its operations in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .env import Settings
+from .errors import MessageSizeError, PeerLostError, TcollError, TimeoutError
+from .transport.base import Channel
+from .waiting import Doorbell, SpinPolicy
+from .work import RecvWork, SendWork, Work
+
+__all__ = ["Engine"]
+
+_Key = tuple[int, int, int]  # (peer, ctx, tag)
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+class Engine:
+    """Point-to-point messaging for one rank.
+
+    Args:
+        rank: this rank in the world.
+        size: the number of ranks in the world.
+        settings: tuning knobs (timeout, eager limit, spin budget, ...).
+        doorbell: what peers ring to wake this rank.
+        oversubscribed: more ranks than cores on this host (poll less, yield).
+    """
+
+    def __init__(self, rank: int, size: int, settings: Settings, doorbell: Doorbell,
+                 oversubscribed: bool = False) -> None:
+        self.rank = rank
+        self.size = size
+        self.settings = settings
+        self.doorbell = doorbell
+        self.spin = SpinPolicy(settings.spin_us, oversubscribed)
+        self.channels: list[Channel | None] = [None] * size
+        self._active: list[Channel] = []
+        self._lock = threading.RLock()
+        self._posted: dict[_Key, deque[RecvWork]] = {}
+        self._posted_from = [0] * size
+        self._unexpected: dict[_Key, deque[RecvWork]] = {}
+        self._lost: dict[int, PeerLostError] = {}
+        self.closed = False
+
+    # -- setup ---------------------------------------------------------------
+
+    def add_channel(self, channel: Channel) -> None:
+        """Route messages to and from channel.peer through `channel`."""
+        with self._lock:
+            self.channels[channel.peer] = channel
+            self._active.append(channel)
+
+    def transport_of(self, peer: int) -> str:
+        """The name of the transport that serves `peer` ("self" for this rank)."""
+        channel = self.channels[peer]
+        return "self" if channel is None else channel.transport_name
+
+    def expects_from(self, peer: int) -> bool:
+        """Whether a receive from `peer` is posted and not yet matched."""
+        return self._posted_from[peer] > 0
+
+    # -- posting -------------------------------------------------------------
+
+    def isend(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None) -> SendWork:
+        """Start sending the bytes `data` to world rank `peer`; returns the SendWork."""
+        work = SendWork(self, peer, ctx, tag, data, user_buffer, f"send to rank {peer} (tag {tag}, {data.nbytes} B)")
+        with self._lock:
+            self._check_peer(peer)
+            if peer == self.rank:
+                self._send_to_self(work)
+            else:
+                self.channels[peer].post(work)  # type: ignore[union-attr]
+        return work
+
+    def irecv(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None) -> RecvWork:
+        """Post a receive of at most data.nbytes bytes from world rank `peer`."""
+        work = RecvWork(self, peer, ctx, tag, data, user_buffer,
+                        f"recv from rank {peer} (tag {tag}, up to {data.nbytes} B)")
+        key = (peer, ctx, tag)
+        with self._lock:
+            self._check_peer(peer)
+            early = self._unexpected.get(key)
+            if early:
+                arrived = early.popleft()
+                if not early:
+                    del self._unexpected[key]
+                self._adopt(arrived, work)
+            else:
+                self._posted.setdefault(key, deque()).append(work)
+                self._posted_from[peer] += 1
+        return work
+
+    def _check_peer(self, peer: int) -> None:
+        if self.closed:
+            raise TcollError("the communicator is closed")
+        lost = self._lost.get(peer)
+        if lost is not None:
+            raise PeerLostError(peer, str(lost).partition(": ")[2])
+
+    def _send_to_self(self, send: SendWork) -> None:
+        """Deliver a message to this rank: copy it aside (eager), then match it."""
+        target = self.match(self.rank, send.ctx, send.tag, send.nbytes)
+        assert target is not None  # self-messages are never deferred
+        if target.data is not None:
+            target.data[:send.nbytes] = send.data
+        target.offset = send.nbytes
+        self.recv_done(target)
+        self.send_done(send)
+
+    # -- called by channels (lock held) --------------------------------------
+
+    def match(self, peer: int, ctx: int, tag: int, nbytes: int) -> RecvWork | None:
+        """Find the receive for an arriving message, or say to leave it queued.
+
+        Returns:
+            The posted receive (oldest first); a private unexpected receive if
+            none is posted and the message is small, or must be drained to reach
+            others behind it; None to leave a large message in its channel.
+        """
+        key = (peer, ctx, tag)
+        posted = self._posted.get(key)
+        if posted:
+            work = posted.popleft()
+            if not posted:
+                del self._posted[key]
+            self._posted_from[peer] -= 1
+            work.nbytes = nbytes
+            if nbytes > work.capacity:
+                work.data = None  # discard the payload; fail once it has streamed past
+            return work
+        if nbytes > self.settings.eager_limit and self._posted_from[peer] == 0 and peer != self.rank:
+            return None
+        early = RecvWork(self, peer, ctx, tag, np.empty(nbytes, dtype=np.uint8) if nbytes else _EMPTY, None,
+                         f"unexpected message from rank {peer} (tag {tag})")
+        early.nbytes = nbytes
+        self._unexpected.setdefault(key, deque()).append(early)
+        return early
+
+    def recv_done(self, work: RecvWork) -> None:
+        """A channel finished receiving `work`'s payload."""
+        if work.data is None and work.nbytes > 0:
+            work._fail(MessageSizeError(
+                f"{work.description}: the message has {work.nbytes} bytes but the receive buffer holds "
+                f"only {work.capacity}; the message was discarded"))
+        else:
+            work._finish(work.user_buffer)
+        if work.forward is not None:
+            self._deliver(work, work.forward)
+
+    def send_done(self, work: SendWork) -> None:
+        """A channel handed over the last byte of `work`."""
+        work._finish(work.user_buffer)
+
+    def _adopt(self, arrived: RecvWork, work: RecvWork) -> None:
+        """Match a posted receive with a message that arrived before it."""
+        if arrived._done:
+            self._deliver(arrived, work)
+        else:
+            arrived.forward = work
+
+    @staticmethod
+    def _deliver(arrived: RecvWork, work: RecvWork) -> None:
+        """Copy an unexpected message into the receive that finally matched it."""
+        work.nbytes = arrived.nbytes
+        if arrived._error is not None:
+            work._fail(arrived._error)
+        elif arrived.nbytes > work.capacity:
+            work._fail(MessageSizeError(
+                f"{work.description}: the message has {arrived.nbytes} bytes but the receive buffer "
+                f"holds {work.capacity}; the message was discarded"))
+        else:
+            if arrived.nbytes:
+                work.data[:arrived.nbytes] = arrived.data  # type: ignore[index]
+            work.offset = arrived.nbytes
+            work._finish(work.user_buffer)
+
+    # -- progress and waiting ------------------------------------------------
+
+    def poll(self) -> bool:
+        """Make one round of progress on every channel; True if anything moved."""
+        with self._lock:
+            return self._progress()
+
+    def _progress(self) -> bool:
+        moved = False
+        for channel in self._active:
+            try:
+                if channel.progress():
+                    moved = True
+            except PeerLostError as exc:
+                self.fail_peer(channel.peer, exc)
+                moved = True
+        return moved
+
+    def wait(self, work: Work, timeout: float | None = None) -> None:
+        """Drive progress until `work` is done: poll, then yield, then block.
+
+        Raises:
+            tcoll.TimeoutError: naming the operation and the ranks it waits on.
+        """
+        if work._done:
+            return
+        limit = self.settings.timeout if timeout is None else timeout
+        start = time.monotonic()
+        deadline = start + limit
+        next_liveness = start + self.settings.liveness_interval
+        spin_start = start
+        blocked = False
+        while not work._done:
+            with self._lock:
+                moved = self._progress()
+            if work._done:
+                break
+            now = time.monotonic()
+            if moved:
+                spin_start = now  # a pipeline is flowing: the next piece comes soon
+                continue
+            if now - spin_start < self.spin.budget_s:
+                if self.spin.yield_while_polling:
+                    os.sched_yield()
+                continue
+            if now >= deadline:
+                raise self._timeout_error(work, limit)
+            blocked = True
+            self._block(work, min(deadline, next_liveness) - now)
+            now = time.monotonic()
+            if now >= next_liveness:
+                self._check_liveness(work)
+                next_liveness = now + self.settings.liveness_interval
+            spin_start = now
+        self.spin.record(time.monotonic() - start, blocked)
+
+    def _block(self, work: Work, timeout: float) -> None:
+        """Sleep on the doorbell unless progress is possible (re-checked after announcing)."""
+        with self._lock:
+            seq = self.doorbell.prepare_sleep()
+            if self._progress() or work._done:
+                self.doorbell.end_sleep()
+                return
+        try:
+            self.doorbell.sleep(seq, timeout)
+        finally:
+            with self._lock:
+                self.doorbell.end_sleep()
+
+    def _check_liveness(self, work: Work) -> None:
+        """Ask the channels of the peers `work` waits on whether those peers live."""
+        with self._lock:
+            for peer in work.peers():
+                channel = self.channels[peer] if 0 <= peer < self.size else None
+                if channel is None:
+                    continue
+                try:
+                    channel.check_alive()
+                except PeerLostError as exc:
+                    self.fail_peer(peer, exc)
+
+    def _timeout_error(self, work: Work, limit: float) -> TimeoutError:
+        peers = work.peers()
+        waiting = f"; still waiting on rank(s) {peers}" if peers else ""
+        return TimeoutError(f"{work.description} did not complete within {limit:g} s{waiting}", peers)
+
+    # -- failure and shutdown ------------------------------------------------
+
+    def fail_peer(self, peer: int, error: PeerLostError) -> None:
+        """Fail every operation pending on `peer` and refuse new ones (lock held)."""
+        with self._lock:
+            if peer in self._lost:
+                return
+            self._lost[peer] = error
+            channel = self.channels[peer]
+            if channel is not None:
+                if channel in self._active:
+                    self._active.remove(channel)
+                for pending in channel.pending_works():
+                    pending._fail(error)
+                channel.close()
+            for key in [k for k in self._posted if k[0] == peer]:
+                for pending in self._posted.pop(key):
+                    pending._fail(error)
+            self._posted_from[peer] = 0
+            for key in [k for k in self._unexpected if k[0] == peer]:
+                for early in self._unexpected[key]:
+                    if not early._done:
+                        early._fail(error)
+
+    def close(self) -> None:
+        """Close every channel; pending operations fail."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            error = TcollError("the communicator was closed")
+            for channel in self._active:
+                for pending in channel.pending_works():
+                    pending._fail(error)
+                channel.close()
+            self._active.clear()
+            for queue in self._posted.values():
+                for pending in queue:
+                    pending._fail(error)
+            self._posted.clear()
+            self._unexpected.clear()

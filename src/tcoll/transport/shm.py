@@ -1,0 +1,384 @@
+"""Shared-memory transport for ranks on one host.
+
+Each rank owns one segment in /dev/shm that holds its doorbell and one ring
+per local peer: the *inbound* ring that peer writes into. A ring is a byte
+stream with two counters on separate cache lines: `head` (bytes written, only
+the writer stores it) and `tail` (bytes read, only the reader stores it), so
+no atomic read-modify-write is needed. A message is a 32-byte header followed
+by its payload; a large payload flows through the ring in chunks, so the
+writer copies chunk k+1 in while the reader copies chunk k out (pipelining),
+and what the reader reads was written moments ago and is still in cache.
+
+After writing, the writer rings the reader's doorbell; after reading, the
+reader rings the writer's (it may wait for space). A doorbell only costs a
+system call when its owner sleeps.
+
+Segments are unlinked as soon as every local peer has mapped them, so a
+kill -9 after setup leaves nothing in /dev/shm; the launchers also remove
+`tcoll-<run id>-*` leftovers of a run that died during setup.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..errors import PeerLostError, TransportError
+from ..waiting import FUTEX_AVAILABLE, Doorbell
+from ..work import RecvWork, SendWork, Work
+from .base import HEADER, MAGIC, Card, Channel, Transport, unpack_header
+
+__all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm"
+_CONTROL = 4096  # first page: the owner's doorbell
+_RING_CTL = 128  # head on the first cache line, tail on the second
+_HEAD, _TAIL = 0, 8  # indexes into the control words, viewed as uint64
+_SMALL = 4096  # copies below this go through memoryview (less overhead than NumPy)
+_TOTAL_BUDGET = 256 << 20  # default bytes of rings per host, split among the pairs
+
+
+def host_identity() -> str:
+    """Identify this host: hostname and boot id (equal boot ids mean one kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def process_alive(pid: int, start_time: int | None) -> bool:
+    """Whether process `pid` (started at `start_time` clock ticks) still runs (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return False
+    fields = stat.rpartition(b")")[2].split()
+    state = fields[0]
+    if state in (b"Z", b"X", b"x"):
+        return False
+    return start_time is None or int(fields[19]) == start_time
+
+
+def _ring_bytes(settings_ring: int, nlocal: int) -> int:
+    """The ring size: the setting, or the host budget split among the ordered pairs."""
+    if settings_ring:
+        return settings_ring
+    pairs = max(1, nlocal * (nlocal - 1))
+    size = min(4 << 20, max(256 << 10, _TOTAL_BUDGET // pairs))
+    return size & ~4095
+
+
+class _Ring:
+    """One ring in a mapped segment: control words, and the data area as memoryview and array."""
+
+    __slots__ = ("ctl", "mv", "np", "size")
+
+    def __init__(self, buf: mmap.mmap, offset: int, size: int) -> None:
+        self.ctl = memoryview(buf)[offset:offset + _RING_CTL].cast("Q")
+        self.mv = memoryview(buf)[offset + _RING_CTL:offset + _RING_CTL + size]
+        self.np = np.frombuffer(buf, dtype=np.uint8, count=size, offset=offset + _RING_CTL)
+        self.size = size
+
+    def release(self) -> None:
+        self.ctl.release()
+        self.mv.release()
+
+
+class _Segment:
+    """A file in /dev/shm mapped into this process."""
+
+    def __init__(self, name: str, size: int | None) -> None:
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if size is not None:
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)  # allocate now, not on first touch in the hot path
+            else:
+                size = os.fstat(fd).st_size
+            self.size = size
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass
+
+
+class ShmTransport(Transport):
+    """Channels through shared memory, for peers on this host."""
+
+    name = "shm"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._own: _Segment | None = None
+        self._peers: dict[int, _Segment] = {}
+        self._channels: list[ShmChannel] = []
+
+    @classmethod
+    def available(cls) -> bool:
+        return FUTEX_AVAILABLE and os.path.isdir(SHM_DIR)
+
+    def prepare(self) -> dict[str, Any]:
+        return {"dir": SHM_DIR}
+
+    def can_connect(self, me: Card, peer: Card) -> bool:
+        # Same kernel (boot id) and host name: the peer sees the same /dev/shm.
+        return "shm" in peer and peer["host"] == me["host"]
+
+    def connect(self, peers: list[int], cards: list[Card], store: Any, timeout: float) -> dict[int, Channel]:
+        if not peers:
+            return {}
+        me = self.engine.rank
+        local = sorted(peers + [me])
+        ring = _ring_bytes(self.settings.shm_ring, len(local))
+        stride = _RING_CTL + ring
+        name = f"tcoll-{self.run_id}-{me}-{secrets.token_hex(4)}"
+        self._own = _Segment(name, _CONTROL + stride * len(local))
+        try:
+            store.set(f"segment/{me}", f"{name}:{ring}".encode())
+            for peer in peers:
+                peer_name, _, peer_ring = store.get(f"segment/{peer}", timeout).decode().rpartition(":")
+                if int(peer_ring) != ring:
+                    raise TransportError(f"rank {peer} sized its shm rings {peer_ring} B, rank {me} {ring} B; "
+                                         "set TCOLL_SHM_RING alike on every rank")
+                self._peers[peer] = _Segment(peer_name, None)
+            store.set(f"mapped/{me}", b"1")
+            store.wait([f"mapped/{peer}" for peer in peers], timeout)
+        finally:
+            self._own.unlink()  # every peer has mapped it (or setup failed): nothing may outlive the job
+        self.engine.doorbell = Doorbell(self._own.map, 0)
+        channels: dict[int, Channel] = {}
+        for peer in peers:
+            inbound = _Ring(self._own.map, _CONTROL + stride * local.index(peer), ring)
+            outbound = _Ring(self._peers[peer].map, _CONTROL + stride * local.index(me), ring)
+            channel = ShmChannel(self.engine, peer, inbound, outbound, Doorbell(self._peers[peer].map, 0),
+                                 cards[peer], self.settings.shm_chunk)
+            self._channels.append(channel)
+            channels[peer] = channel
+        return channels
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        self.engine.doorbell = Doorbell.private()
+        for segment in self._peers.values():
+            segment.close()
+        self._peers.clear()
+        if self._own is not None:
+            self._own.close()
+            self._own = None
+
+
+class ShmChannel(Channel):
+    """Both directions between this rank and one peer on the same host."""
+
+    transport_name = "shm"
+
+    def __init__(self, engine: Any, peer: int, inbound: _Ring, outbound: _Ring, peer_bell: Doorbell,
+                 peer_card: Card, chunk: int) -> None:
+        super().__init__(engine, peer)
+        self._in = inbound
+        self._out = outbound
+        self._peer_bell = peer_bell
+        self._chunk = min(chunk, outbound.size // 2)
+        self._sends: deque[SendWork] = deque()
+        self._head = 0  # bytes written to the outbound ring (we are its only writer)
+        self._tail = 0  # bytes read from the inbound ring (we are its only reader)
+        self._header: tuple[int, int, int] | None = None  # a header whose receive is not posted yet
+        self._recv: RecvWork | None = None
+        self._pid = int(peer_card.get("pid", 0))
+        self._start_time = peer_card.get("start_time")
+        self._same_pidns = peer_card.get("pidns") == _pid_namespace()
+        self._closed = False
+
+    # -- outbound --------------------------------------------------------------
+
+    def post(self, send: SendWork) -> None:
+        self._sends.append(send)
+        if len(self._sends) == 1:
+            self._push()
+
+    def _push(self) -> bool:
+        """Copy queued sends into the peer's ring, as far as space allows."""
+        ring = self._out
+        size = ring.size
+        head = self._head
+        budget = size  # then let the inbound direction have its turn
+        moved = False
+        sends = self._sends
+        while sends and budget > 0:
+            send = sends[0]
+            free = size - (head - ring.ctl[_TAIL])
+            if free < (1 if send.header_sent else HEADER.size):
+                break
+            if not send.header_sent:
+                _write(ring, head, HEADER.pack(MAGIC, send.ctx, send.tag, send.nbytes, 0))
+                head += HEADER.size
+                free -= HEADER.size
+                send.header_sent = True
+            count = min(free, send.nbytes - send.offset, self._chunk)
+            if count:
+                _write(ring, head, send.data, send.offset, count)
+                head += count
+                send.offset += count
+                budget -= count
+            ring.ctl[_HEAD] = head
+            self._head = head
+            self._peer_bell.ring()
+            moved = True
+            if send.offset == send.nbytes:
+                sends.popleft()
+                self.engine.send_done(send)
+        return moved
+
+    # -- inbound ---------------------------------------------------------------
+
+    def _pull(self) -> bool:
+        """Copy arrived bytes out of our ring into the receives they belong to."""
+        ring = self._in
+        tail = self._tail
+        head = ring.ctl[_HEAD]
+        budget = ring.size
+        moved = False
+        while budget > 0:
+            recv = self._recv
+            if recv is None:
+                if self._header is None:
+                    if head - tail < HEADER.size:
+                        break
+                    self._header = unpack_header(_read_header(ring, tail), self.peer)[:3]
+                    tail += HEADER.size
+                    moved = True
+                ctx, tag, nbytes = self._header
+                recv = self.engine.match(self.peer, ctx, tag, nbytes)
+                if recv is None:
+                    break  # a large message nobody asked for yet: leave it in the ring
+                self._header = None
+                self._recv = recv
+            count = min(head - tail, recv.nbytes - recv.offset, self._chunk)
+            if count:
+                if recv.data is not None:
+                    _read(ring, tail, recv.data, recv.offset, count)
+                tail += count
+                recv.offset += count
+                budget -= count
+                moved = True
+            if recv.offset == recv.nbytes:
+                self._recv = None
+                self._publish_tail(tail)
+                self.engine.recv_done(recv)
+            elif not count:
+                head = ring.ctl[_HEAD]
+                if head - tail == 0:
+                    break
+            else:
+                self._publish_tail(tail)
+        if tail != self._tail:
+            self._publish_tail(tail)
+        return moved
+
+    def _publish_tail(self, tail: int) -> None:
+        if tail != self._tail:
+            self._tail = tail
+            self._in.ctl[_TAIL] = tail
+            self._peer_bell.ring()
+
+    # -- Channel interface -------------------------------------------------------
+
+    def progress(self) -> bool:
+        if self._closed:
+            return False
+        moved = self._pull()
+        if self._sends and self._push():
+            moved = True
+        return moved
+
+    def pending_works(self) -> list[Work]:
+        pending: list[Work] = list(self._sends)
+        if self._recv is not None:
+            pending.append(self._recv)
+        return pending
+
+    def check_alive(self) -> None:
+        if self._same_pidns and self._pid and not process_alive(self._pid, self._start_time):
+            raise PeerLostError(self.peer, f"process {self._pid} on this host is gone")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sends.clear()
+        self._in.release()
+        self._out.release()
+        self._peer_bell.release()
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _write(ring: _Ring, pos: int, src: Any, start: int = 0, count: int | None = None) -> None:
+    """Copy src[start:start+count] into the ring at stream position `pos`, wrapping at the end."""
+    if count is None:
+        count = len(src)
+    size = ring.size
+    at = pos % size
+    first = min(count, size - at)
+    if count < _SMALL:
+        view = src if isinstance(src, bytes) else memoryview(src)
+        ring.mv[at:at + first] = view[start:start + first]
+        if first < count:
+            ring.mv[:count - first] = view[start + first:start + count]
+    else:
+        ring.np[at:at + first] = src[start:start + first]
+        if first < count:
+            ring.np[:count - first] = src[start + first:start + count]
+
+
+def _read(ring: _Ring, pos: int, dst: np.ndarray, start: int, count: int) -> None:
+    """Copy `count` bytes at stream position `pos` of the ring into dst[start:]."""
+    size = ring.size
+    at = pos % size
+    first = min(count, size - at)
+    if count < _SMALL:
+        view = memoryview(dst)
+        view[start:start + first] = ring.mv[at:at + first]
+        if first < count:
+            view[start + first:start + count] = ring.mv[:count - first]
+    else:
+        dst[start:start + first] = ring.np[at:at + first]
+        if first < count:
+            dst[start + first:start + count] = ring.np[:count - first]
+
+
+def _read_header(ring: _Ring, pos: int) -> bytes | memoryview:
+    at = pos % ring.size
+    if at + HEADER.size <= ring.size:
+        return ring.mv[at:at + HEADER.size]
+    return bytes(ring.mv[at:]) + bytes(ring.mv[:HEADER.size - (ring.size - at)])

@@ -1,0 +1,433 @@
+"""TCP transport: one non-blocking socket per peer, between hosts (or on one host when forced).
+
+Data moves only when the engine calls `progress()` (under its lock): queued
+sends are pushed header and payload together with one `sendmsg`, and arriving
+messages are read header first, then straight into the matched receive's
+buffer. Neither direction ever blocks, so a rank that streams a large message
+to one neighbour while another streams one to it makes progress both ways.
+
+Waking a sleeping engine: one watcher thread per transport waits in epoll over
+every socket and rings the engine's doorbell when one becomes ready. Sockets
+are registered one-shot and armed only while the engine is about to sleep
+(its doorbell counts a sleeper): while the engine polls, the watcher stays
+asleep and does not compete with it for the GIL on every packet.
+
+Connection set-up and the handshake live in `tcp_connect`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import select
+import socket
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PeerLostError, TransportError
+from .base import HEADER, Card, Channel, Transport, pack_header, unpack_header
+from .tcp_connect import connect_all, open_listener
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..env import Settings
+    from ..store import Store
+    from ..work import RecvWork, SendWork, Work
+
+__all__ = ["TcpChannel", "TcpTransport", "choose_address"]
+
+_HDR = HEADER.size
+_CHUNK = 256 << 20  # most bytes one send/recv call is offered: the kernel caps a call near 2 GiB
+_SCRATCH = 64 << 10  # discard buffer for payloads that did not fit their receive
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never SIGPIPE
+_IN = select.EPOLLIN | select.EPOLLRDHUP
+_OUT = select.EPOLLOUT
+_ONESHOT = select.EPOLLONESHOT
+
+
+class TcpChannel(Channel):
+    """Messages to and from one peer over a connected, non-blocking TCP socket.
+
+    Args:
+        engine: the engine to report to.
+        peer: the peer's world rank.
+        sock: the connected, handshaken socket.
+        transport: the transport whose watcher wakes the engine for this socket.
+    """
+
+    transport_name = "tcp"
+
+    def __init__(self, engine: Engine, peer: int, sock: socket.socket, transport: TcpTransport) -> None:
+        super().__init__(engine, peer)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._transport = transport
+        self._send = sock.send
+        self._sendmsg = sock.sendmsg
+        self._recv_into = sock.recv_into
+        self._sendq: deque[SendWork] = deque()
+        self._hdr_out: bytes | memoryview = b""  # header bytes of the head send not yet sent
+        self._hdr_in = bytearray(_HDR)  # reused for every arriving header
+        self._hdr_view = memoryview(self._hdr_in)
+        self._hdr_got = 0
+        self._pending: tuple[int, int, int] | None = None  # a decoded header awaiting its receive
+        self._target: RecvWork | None = None
+        self._view: memoryview | None = None  # the target's buffer; None: discard the payload
+        self._scratch: memoryview | None = None
+        self._lost: PeerLostError | None = None
+        self.closed = False
+
+    # -- engine interface ------------------------------------------------------
+
+    def post(self, send: SendWork) -> None:
+        """Queue a send and, if nothing is ahead of it, start pushing it now."""
+        queue = self._sendq
+        queue.append(send)
+        if len(queue) == 1 and self._lost is None:
+            try:
+                self._push()
+            except PeerLostError as exc:  # reported by the next progress(), which the engine handles
+                self._lost = exc
+        if queue and self.engine.doorbell._words[1]:
+            # Another thread sleeps: it must wake when the socket takes more, or nobody pushes the rest.
+            self._arm()
+
+    def progress(self) -> bool:
+        """Push queued sends and read arriving messages until the socket would block.
+
+        Returns:
+            True if any byte moved or any operation completed.
+
+        Raises:
+            PeerLostError: the connection closed or failed.
+        """
+        if self._lost is not None:
+            raise self._lost
+        moved = self._push() if self._sendq else False
+        if self._pull():
+            moved = True
+        elif not moved and self.engine.doorbell._words[1]:
+            # The engine is about to sleep (it counts itself a sleeper before its last look).
+            self._arm()
+        return moved
+
+    def _arm(self) -> None:
+        """Have the watcher wake the engine when this socket can move more bytes."""
+        # A header waiting for its receive stops reading: watching for input would only spin.
+        self._transport.arm(self.fd, (_IN if self._pending is None else 0) | (_OUT if self._sendq else 0))
+
+    def pending_works(self) -> list[Work]:
+        """The queued sends and the receive being filled."""
+        works: list[Work] = list(self._sendq)
+        if self._target is not None:
+            works.append(self._target)
+        return works
+
+    def check_alive(self) -> None:
+        """Raise PeerLostError if the kernel reports the connection failed (e.g. keep-alive timed out)."""
+        if self.closed:
+            return
+        code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code:
+            raise PeerLostError(self.peer, f"connection failed: {os.strerror(code)}")
+
+    def close(self) -> None:
+        """Stop watching the socket and close it (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._transport.forget(self.fd)
+        self.sock.close()
+
+    # -- data movement -------------------------------------------------------
+
+    def _lost_error(self, exc: OSError | None) -> PeerLostError:
+        """Remember that the connection is gone (EOF when `exc` is None) and return the error to raise."""
+        detail = "connection closed" if exc is None else f"connection closed ({exc.strerror or exc})"
+        self._lost = PeerLostError(self.peer, detail)
+        return self._lost
+
+    def _push(self) -> bool:
+        """Send queued messages in order until the socket buffer fills; True if bytes moved."""
+        queue = self._sendq
+        moved = False
+        try:
+            while queue:
+                send = queue[0]
+                nbytes = send.nbytes
+                if send.header_sent:
+                    offered = min(nbytes - send.offset, _CHUNK)
+                    sent = self._send(send.data.data[send.offset:send.offset + offered], _NOSIGNAL)
+                    send.offset += sent
+                else:
+                    head = self._hdr_out or pack_header(send.ctx, send.tag, nbytes)
+                    offered = min(nbytes, _CHUNK)
+                    if nbytes:
+                        sent = self._sendmsg([head, send.data.data[:offered]], (), _NOSIGNAL)
+                    else:
+                        sent = self._send(head, _NOSIGNAL)
+                    moved = True
+                    if sent < len(head):
+                        self._hdr_out = memoryview(head)[sent:]
+                        return True
+                    self._hdr_out = b""
+                    send.header_sent = True
+                    sent -= len(head)
+                    send.offset = sent
+                moved = True
+                if send.offset == nbytes:
+                    queue.popleft()
+                    self.engine.send_done(send)
+                elif sent < offered:
+                    return moved  # the socket buffer is full
+        except (BlockingIOError, InterruptedError):
+            return moved
+        except OSError as exc:
+            raise self._lost_error(exc) from None
+        return moved
+
+    def _pull(self) -> bool:
+        """Read arriving messages until the socket is drained or a message must wait; True if bytes moved."""
+        moved = False
+        try:
+            while True:
+                target = self._target
+                if target is None:
+                    if self._pending is None:
+                        got = self._hdr_got
+                        count = self._recv_into(self._hdr_view[got:], _HDR - got)
+                        if not count:
+                            raise self._lost_error(None)
+                        moved = True
+                        got += count
+                        if got < _HDR:
+                            self._hdr_got = got
+                            return True
+                        self._hdr_got = 0
+                        self._pending = self._decode()
+                    if not self._begin():
+                        return moved
+                    moved = True
+                    continue
+                remaining = target.nbytes - target.offset
+                asked = min(remaining, _CHUNK)
+                view = self._view
+                if view is None:  # discarding a message too large for its receive
+                    asked = min(asked, _SCRATCH)
+                    count = self._recv_into(self._scratch or self._make_scratch(), asked)
+                else:
+                    count = self._recv_into(view[target.offset:target.offset + asked], asked)
+                if not count:
+                    raise self._lost_error(None)
+                moved = True
+                target.offset += count
+                if count == remaining:
+                    self._target = self._view = None
+                    self.engine.recv_done(target)
+                elif count < asked:
+                    return True  # drained: the next bytes are not here yet
+        except (BlockingIOError, InterruptedError):
+            return moved
+        except PeerLostError:  # EOF, raised above: a ConnectionError, so not for the clause below
+            raise
+        except OSError as exc:
+            raise self._lost_error(exc) from None
+
+    def _decode(self) -> tuple[int, int, int]:
+        """Decode the arrived header into (ctx, tag, nbytes).
+
+        Raises:
+            PeerLostError: not a tcoll header; the stream is out of step and the connection unusable.
+        """
+        try:
+            return unpack_header(self._hdr_view, self.peer)[:3]
+        except TransportError as exc:
+            self._lost = PeerLostError(self.peer, str(exc))
+            raise self._lost from None
+
+    def _begin(self) -> bool:
+        """Ask the engine for the receive of the decoded header; False leaves the message waiting."""
+        ctx, tag, nbytes = self._pending  # type: ignore[misc]
+        target = self.engine.match(self.peer, ctx, tag, nbytes)
+        if target is None:
+            return False
+        self._pending = None
+        if nbytes == 0:
+            self.engine.recv_done(target)
+        else:
+            self._target = target
+            self._view = None if target.data is None else target.data.data
+        return True
+
+    def _make_scratch(self) -> memoryview:
+        """Allocate the discard buffer on first use (most channels never need it)."""
+        self._scratch = memoryview(bytearray(_SCRATCH))
+        return self._scratch
+
+
+class TcpTransport(Transport):
+    """TCP channels to peers on any host.
+
+    Set `master_host` (the rendezvous master's host, or None) before `prepare()`;
+    it decides which local address to listen on.
+    """
+
+    name = "tcp"
+
+    def __init__(self, engine: Engine, settings: Settings, run_id: str) -> None:
+        super().__init__(engine, settings, run_id)
+        self.master_host: str | None = None
+        self._listener: socket.socket | None = None
+        self._channels: list[TcpChannel] = []
+        self._epoll: select.epoll | None = None
+        self._stop_fd = -1
+        self._watcher: threading.Thread | None = None
+        self._armed: dict[int, int] = {}  # fd -> events armed; the watcher zeroes it when they fire
+        self._closed = False
+
+    @classmethod
+    def available(cls) -> bool:
+        """TCP works wherever epoll does (Linux)."""
+        return hasattr(select, "epoll")
+
+    def can_connect(self, me: Card, peer: Card) -> bool:
+        """True when the peer published a TCP listener."""
+        return isinstance(peer.get("tcp"), dict)
+
+    def prepare(self) -> dict[str, Any]:
+        """Open the listener; returns {"addr", "port"} for this rank's card.
+
+        Raises:
+            TransportError: no usable address.
+        """
+        if self._listener is None:
+            self._listener = open_listener(choose_address(self.settings.tcp_addr, self.master_host))
+        host, port = self._listener.getsockname()[:2]
+        return {"addr": host, "port": port}
+
+    def connect(self, peers: list[int], cards: list[Card], store: Store, timeout: float) -> dict[int, Channel]:
+        """Connect to every peer (higher ranks dial lower ones) and start the watcher.
+
+        Returns:
+            A TcpChannel per peer.
+
+        Raises:
+            tcoll.TimeoutError: some peers did not connect in time (named with their addresses).
+            TransportError: a handshake was refused (authentication, another job).
+        """
+        if self._closed:
+            raise TransportError("tcp transport: connect() after close()")
+        if self._listener is None:
+            raise TransportError("tcp transport: connect() before prepare()")
+        try:
+            socks = connect_all(self.engine.rank, peers, cards, self._listener, self.run_id,
+                                self.settings.auth_key, timeout) if peers else {}
+        finally:
+            self._listener.close()  # every peer is connected (or failed): refuse later strangers
+        channels: dict[int, Channel] = {}
+        for peer, sock in socks.items():
+            channel = TcpChannel(self.engine, peer, sock, self)
+            self._channels.append(channel)  # from here on close() closes its socket
+            channels[peer] = channel
+        if self._channels:
+            self._start_watcher()
+        return channels
+
+    def arm(self, fd: int, events: int) -> None:
+        """Have the watcher wake the engine once `fd` is ready for `events` (no-op if already armed)."""
+        if events and self._armed.get(fd, events) != events:
+            self._armed[fd] = events
+            self._epoll.modify(fd, events | _ONESHOT)  # type: ignore[union-attr]
+
+    def forget(self, fd: int) -> None:
+        """Stop watching `fd` (its channel is closing)."""
+        if self._armed.pop(fd, None) is not None and self._epoll is not None:
+            try:
+                self._epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+
+    def _start_watcher(self) -> None:
+        """Register every channel's socket, disarmed, with a new epoll and start the watcher thread."""
+        self._epoll = select.epoll()
+        self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._epoll.register(self._stop_fd, select.EPOLLIN)
+        for channel in self._channels:
+            self._armed[channel.fd] = 0
+            self._epoll.register(channel.fd, _ONESHOT)  # disarmed until the engine is about to sleep
+        self._watcher = threading.Thread(target=_watch, args=(self._epoll, self._stop_fd, self._armed, self.engine),
+                                         name=f"tcoll-tcp-watch-{self.engine.rank}", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        """Close the channels, stop and join the watcher, close every descriptor (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        if self._watcher is not None:
+            os.eventfd_write(self._stop_fd, 1)
+            self._watcher.join()
+            self._watcher = None
+        if self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
+        if self._stop_fd >= 0:
+            os.close(self._stop_fd)
+            self._stop_fd = -1
+        if self._listener is not None:
+            self._listener.close()
+
+
+def choose_address(tcp_addr: str, master_host: str | None) -> str:
+    """Pick the address this rank listens on and advertises.
+
+    Args:
+        tcp_addr: the TCOLL_TCP_ADDR setting ("" when unset).
+        master_host: the rendezvous master's host, or None for a single-process job.
+
+    Returns:
+        `tcp_addr` if set; "127.0.0.1" when the master is on loopback (a single-host
+        job then never listens on the network); else the local address of the route
+        to the master.
+
+    Raises:
+        TransportError: no route to the master.
+    """
+    if tcp_addr:
+        return tcp_addr
+    if master_host is None or _is_loopback(master_host):
+        return "127.0.0.1"
+    try:
+        info = socket.getaddrinfo(master_host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(info[4])  # a UDP connect only consults the routing table
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise TransportError(f"tcp transport: cannot find the local address of the route to the master "
+                             f"{master_host!r} ({exc}); set TCOLL_TCP_ADDR") from None
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _watch(epoll: select.epoll, stop_fd: int, armed: dict[int, int], engine: Engine) -> None:
+    """The watcher thread: ring the engine's doorbell whenever an armed socket becomes ready."""
+    while True:
+        events = epoll.poll()
+        for fd, _ in events:
+            if fd == stop_fd:
+                return
+            if fd in armed:
+                armed[fd] = 0  # one-shot: the event disarmed it
+        engine.doorbell.ring()

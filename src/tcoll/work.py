@@ -1,0 +1,168 @@
+"""Work handles: what a non-blocking operation returns.
+
+`Work` is the public handle (wait / done / exception / result). `SendWork` and
+`RecvWork` are the point-to-point requests that transports move data for; a
+transport reads and updates their fields directly, under the engine's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["Work", "SendWork", "RecvWork"]
+
+
+class Work:
+    """The handle of a non-blocking operation.
+
+    Args:
+        engine: the engine whose progress completes this work.
+        description: names the operation in error messages, e.g. "recv from rank 3 (tag 7)".
+    """
+
+    __slots__ = ("_engine", "description", "_done", "_error", "_value", "_callbacks")
+
+    def __init__(self, engine: Engine | None, description: str) -> None:
+        self._engine = engine
+        self.description = description
+        self._done = False
+        self._error: BaseException | None = None
+        self._value: Any = None
+        self._callbacks: list[Callable[[Work], None]] | None = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the operation completes, then return its result.
+
+        Args:
+            timeout: seconds to wait at most; None uses the communicator's timeout.
+
+        Returns:
+            The operation's result (for a receive, the receive buffer).
+
+        Raises:
+            tcoll.TimeoutError: not complete in time; names the peers still awaited.
+            tcoll.PeerLostError: a peer this operation needs is gone.
+            tcoll.TcollError: the operation failed in another way.
+        """
+        if not self._done and self._engine is not None:
+            self._engine.wait(self, timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def done(self) -> bool:
+        """Make progress once and tell whether the operation has completed (or failed)."""
+        if not self._done and self._engine is not None:
+            self._engine.poll()
+        return self._done
+
+    def exception(self) -> BaseException | None:
+        """The error the operation failed with, or None (not failed, or not finished yet)."""
+        self.done()
+        return self._error
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the operation and return its result (same as wait())."""
+        return self.wait(timeout)
+
+    def peers(self) -> list[int]:
+        """The world ranks this operation still waits on (for timeout and liveness)."""
+        return []
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        """Call fn(work) once the work completes or fails (at once if it already has).
+
+        Callbacks run on the thread that makes the progress, under the engine's
+        lock: they must be short and must not block.
+        """
+        if self._done:
+            fn(self)
+        elif self._callbacks is None:
+            self._callbacks = [fn]
+        else:
+            self._callbacks.append(fn)
+
+    def _finish(self, value: Any = None) -> None:
+        """Mark the work complete with a value and run its callbacks."""
+        if self._done:
+            return
+        self._value = value
+        self._done = True
+        self._run_callbacks()
+
+    def _fail(self, error: BaseException) -> None:
+        """Mark the work failed and run its callbacks."""
+        if self._done:
+            return
+        self._error = error
+        self._done = True
+        self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn(self)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else ("done" if self._done else "pending")
+        return f"<Work {self.description}: {state}>"
+
+
+class SendWork(Work):
+    """A send in flight: `data` (flat uint8 view) goes to world rank `peer`.
+
+    Transports use `offset` (payload bytes already handed over) and
+    `header_sent`; the engine completes the work.
+    """
+
+    __slots__ = ("peer", "ctx", "tag", "data", "nbytes", "offset", "header_sent", "user_buffer")
+
+    def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray, user_buffer: Any,
+                 description: str) -> None:
+        super().__init__(engine, description)
+        self.peer = peer
+        self.ctx = ctx
+        self.tag = tag
+        self.data = data
+        self.nbytes = int(data.nbytes)
+        self.offset = 0
+        self.header_sent = False
+        self.user_buffer = user_buffer
+
+    def peers(self) -> list[int]:
+        return [] if self._done else [self.peer]
+
+
+class RecvWork(Work):
+    """A receive: the message from world rank `peer` lands in `data` (flat uint8 view).
+
+    `data` is None for a message being discarded (it did not fit its buffer).
+    `nbytes` is the size of the message once its header has arrived, and
+    `offset` counts the payload bytes received so far. An unexpected message
+    (no receive posted yet) gets a RecvWork of its own with a private buffer;
+    `forward` then names the user's receive it must be copied into.
+    """
+
+    __slots__ = ("peer", "ctx", "tag", "data", "capacity", "nbytes", "offset", "user_buffer", "forward")
+
+    def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray | None, user_buffer: Any,
+                 description: str) -> None:
+        super().__init__(engine, description)
+        self.peer = peer
+        self.ctx = ctx
+        self.tag = tag
+        self.data = data
+        self.capacity = 0 if data is None else int(data.nbytes)
+        self.nbytes = -1
+        self.offset = 0
+        self.user_buffer = user_buffer
+        self.forward: RecvWork | None = None
+
+    def peers(self) -> list[int]:
+        return [] if self._done else [self.peer]
