@@ -1,0 +1,111 @@
+"""Build a rank's engine: meet the other ranks, choose a transport per peer, connect.
+
+Transports are tried in order [loopback, shm, tcp]: each pair of ranks uses the
+first one both can use (loopback for threads of one process, shm for
+processes of one host, tcp otherwise). TCOLL_TRANSPORT=shm|tcp forces one for
+every pair (loopback is then off too); a pair the forced transport cannot
+serve is an error at startup, not a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .engine import Engine
+from .env import Settings
+from .errors import TransportError
+from .rendezvous import exchange_cards
+from .store.base import Store
+from .transport.base import Card, Transport
+from .transport.loopback import LoopbackTransport
+from .transport.shm import ShmTransport, host_identity
+from .transport.tcp import TcpTransport
+from .waiting import Doorbell, SpinPolicy, cpu_count
+
+__all__ = ["connect_world", "TRANSPORTS"]
+
+TRANSPORTS: tuple[type[Transport], ...] = (LoopbackTransport, ShmTransport, TcpTransport)
+
+
+def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id: str,
+                  master_host: str | None) -> tuple[Engine, list[Transport]]:
+    """Connect this rank to every other rank of the world.
+
+    Args:
+        store: the rendezvous store shared by all ranks (a fresh prefix per world).
+        rank: this rank.
+        size: the number of ranks.
+        settings: tuning knobs; settings.transport may force one transport.
+        run_id: names this job's shared resources (shm segments).
+        master_host: the rendezvous host, from which TCP finds its interface.
+
+    Returns:
+        The engine, with a channel per peer, and the transports to close with it.
+
+    Raises:
+        RendezvousError: a rank did not arrive in time.
+        TransportError: a pair of ranks has no usable transport.
+    """
+    engine = Engine(rank, size, settings, Doorbell.private())
+    transports = [cls(engine, settings, run_id) for cls in _allowed(settings.transport)]
+    try:
+        card = _identity_card(rank)
+        for transport in transports:
+            transport.master_host = master_host  # type: ignore[attr-defined]
+            card[transport.name] = transport.prepare()
+        cards = exchange_cards(store, rank, size, card, settings.timeout)
+        assignment = _assign(transports, cards, rank, settings.transport)
+        for transport in transports:
+            peers = assignment[transport.name]
+            channels = transport.connect(peers, cards, store.prefix(transport.name), settings.timeout)
+            for channel in channels.values():
+                engine.add_channel(channel)
+        local = sum(1 for other in cards if other["host"] == card["host"])
+        engine.spin = SpinPolicy(settings.spin_us, oversubscribed=local > cpu_count())
+    except BaseException:
+        engine.close()
+        for transport in transports:
+            transport.close()
+        raise
+    return engine, transports
+
+
+def _allowed(forced: str) -> list[type[Transport]]:
+    """The transports to set up: all available ones, or only the forced one."""
+    if forced == "auto":
+        return [cls for cls in TRANSPORTS if cls.available()]
+    chosen = [cls for cls in TRANSPORTS if cls.name == forced]
+    if not chosen or not chosen[0].available():
+        raise TransportError(f"TCOLL_TRANSPORT={forced} is not available on this machine")
+    return chosen
+
+
+def _assign(transports: list[Transport], cards: list[Card], rank: int, forced: str) -> dict[str, list[int]]:
+    """Give each peer to the first transport that can reach it (the same choice on both sides)."""
+    assignment: dict[str, list[int]] = {transport.name: [] for transport in transports}
+    me = cards[rank]
+    for peer, card in enumerate(cards):
+        if peer == rank:
+            continue
+        for transport in transports:
+            if transport.name in card and transport.name in me and transport.can_connect(me, card):
+                assignment[transport.name].append(peer)
+                break
+        else:
+            how = f"TCOLL_TRANSPORT={forced}" if forced != "auto" else "any transport"
+            raise TransportError(f"rank {rank} cannot reach rank {peer} ({card['host']}) with {how}")
+    return assignment
+
+
+def _identity_card(rank: int) -> Card:
+    """Who this rank is: host identity and process identity (for liveness checks)."""
+    card: dict[str, Any] = {"rank": rank, "host": host_identity(), "pid": os.getpid(), "pidns": "",
+                            "start_time": None}
+    try:
+        card["pidns"] = os.readlink("/proc/self/ns/pid")
+        with open(f"/proc/{os.getpid()}/stat", "rb") as handle:
+            card["start_time"] = int(handle.read().rpartition(b")")[2].split()[19])
+    except OSError:
+        pass
+    return card

@@ -1,0 +1,178 @@
+"""The Communicator: the ranks of a job and the operations between them."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from .buffers import as_bytes
+from .engine import Engine
+from .transport.base import Transport
+from .work import Work
+
+__all__ = ["Communicator", "MAX_TAG"]
+
+MAX_TAG = (1 << 62) - 1
+
+
+class Communicator:
+    """A group of ranks that exchange messages.
+
+    Made by `tcoll.init()` (or `tcoll.spawn`), not directly. Point-to-point
+    operations take NumPy arrays, PyTorch CPU tensors, or other contiguous
+    buffers; receives land in place, without an extra copy.
+
+    Attributes:
+        rank: this process's rank, 0 <= rank < size.
+        size: the number of ranks.
+        timeout: the default timeout of blocking calls, in seconds.
+    """
+
+    def __init__(self, engine: Engine, transports: list[Transport], run_id: str) -> None:
+        self._engine = engine
+        self._transports = transports
+        self._store: Any = None
+        self.run_id = run_id
+        self.rank = engine.rank
+        self.size = engine.size
+        self.timeout = engine.settings.timeout
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # -- point-to-point ----------------------------------------------------------
+
+    def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
+        """Start sending `buf` to rank `dst`; returns a Work to wait on.
+
+        The buffer must not be modified until the Work completes. Messages from
+        one rank to another with the same tag arrive in the order they were sent.
+
+        Args:
+            buf: a contiguous NumPy array, PyTorch CPU tensor, or buffer-protocol object.
+            dst: the destination rank.
+            tag: a non-negative integer that the receive must name too.
+
+        Returns:
+            A Work; wait() returns `buf`.
+
+        Raises:
+            ValueError: `dst` out of range, bad tag, or a non-contiguous buffer.
+            TypeError: `buf` is not a buffer.
+            PeerLostError: `dst` is known to be gone.
+        """
+        self._check_peer(dst, "dst")
+        self._check_tag(tag)
+        data = as_bytes(buf, writable=False, what="send buffer")
+        return self._engine.isend(data, dst, 0, tag, buf)
+
+    def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
+        """Start receiving a message from rank `src` into `buf`; returns a Work.
+
+        The message may be shorter than the buffer (as in MPI); a longer one
+        fails the receive with MessageSizeError and is discarded.
+
+        Args:
+            buf: a writable contiguous NumPy array, PyTorch CPU tensor, or buffer.
+            src: the source rank.
+            tag: the tag the sender used.
+
+        Returns:
+            A Work; wait() returns `buf`. Its `nbytes` tells the message size.
+
+        Raises:
+            ValueError: `src` out of range, bad tag, or a non-contiguous or read-only buffer.
+            TypeError: `buf` is not a buffer.
+            PeerLostError: `src` is known to be gone.
+        """
+        self._check_peer(src, "src")
+        self._check_tag(tag)
+        data = as_bytes(buf, writable=True, what="receive buffer")
+        return self._engine.irecv(data, src, 0, tag, buf)
+
+    def send(self, buf: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
+        """Send `buf` to rank `dst` and wait until the buffer may be reused (see isend)."""
+        self.isend(buf, dst, tag).wait(timeout)
+
+    def recv(self, buf: Any, src: int, tag: int = 0, timeout: float | None = None) -> Any:
+        """Receive a message from rank `src` into `buf` and return `buf` (see irecv)."""
+        return self.irecv(buf, src, tag).wait(timeout)
+
+    # -- introspection and life cycle -------------------------------------------
+
+    def transport(self, peer: int) -> str:
+        """The name of the transport that carries messages to `peer` ("shm", "tcp", ...)."""
+        self._check_peer(peer, "peer")
+        return self._engine.transport_of(peer)
+
+    def own_store(self, store: Any) -> None:
+        """Close `store` with this communicator (init() opened it for this communicator)."""
+        self._store = store
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() has been called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release channels, shared memory and sockets; pending operations fail.
+
+        Not collective: each rank closes its own side. Idempotent.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._engine.close()
+        for transport in self._transports:
+            transport.close()
+        if self._store is not None:
+            self._store.close()
+        _forget(self)
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<tcoll.Communicator rank {self.rank} of {self.size}{' (closed)' if self._closed else ''}>"
+
+    # -- argument checks -----------------------------------------------------------
+
+    def _check_peer(self, peer: Any, name: str) -> None:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.size:
+            raise ValueError(f"{name}={peer!r} is not a rank of this communicator (0 <= {name} < {self.size})")
+
+    @staticmethod
+    def _check_tag(tag: Any) -> None:
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag={tag!r} must be an integer in [0, 2**62)")
+
+
+_live: set[Communicator] = set()
+_live_lock = threading.Lock()
+
+
+def track(comm: Communicator) -> Communicator:
+    """Remember a communicator so that it is closed at interpreter exit."""
+    with _live_lock:
+        _live.add(comm)
+    return comm
+
+
+def _forget(comm: Communicator) -> None:
+    with _live_lock:
+        _live.discard(comm)
+
+
+@atexit.register
+def _close_all() -> None:
+    with _live_lock:
+        comms = list(_live)
+    for comm in comms:
+        try:
+            comm.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass

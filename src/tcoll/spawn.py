@@ -1,0 +1,261 @@
+"""`tcoll.spawn`: run a function on N ranks (processes or threads) and collect the results.
+
+What the seed examples do by hand with `mp.Process` and `init_process_group`,
+in one call, for scripts, notebooks and tests: the parent hosts the
+rendezvous store, starts the ranks, returns their results in rank order, and
+when one rank fails it stops the others and re-raises that failure, naming
+the rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import pickle
+import secrets
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .errors import SpawnError
+from .transport.shm import SHM_DIR
+
+__all__ = ["spawn"]
+
+_GRACE = 3.0
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, threads: bool = False,
+          timeout: float | None = None, start_method: str | None = None,
+          env: dict[str, str] | None = None, **init_kwargs: Any) -> list[Any]:
+    """Run ``fn(comm, *args)`` on `nprocs` ranks and return their results in rank order.
+
+    Args:
+        fn: the function each rank runs; its first argument is the rank's
+            Communicator. For processes it must be picklable (defined at module
+            level; with cloudpickle installed, notebook functions work too).
+        nprocs: the number of ranks.
+        args: more arguments for fn (picklable for processes).
+        threads: run the ranks as threads of this process (loopback transport).
+        timeout: seconds the whole run may take (default: none); also the
+            communicators' timeout unless init_kwargs gives one.
+        start_method: multiprocessing start method (default: forkserver where
+            available, with numpy and tcoll preloaded, else spawn).
+        env: environment variables to set in each rank process.
+        **init_kwargs: passed to `tcoll.init` in each rank (transport, shm_chunk, ...).
+
+    Returns:
+        The ranks' return values (picklable, for processes), in rank order.
+
+    Raises:
+        SpawnError: a rank raised, exited early or was killed; its exception
+            is chained as __cause__ when it could be pickled back.
+        tcoll.TimeoutError: the run took longer than `timeout`.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, not {nprocs!r}")
+    if timeout is not None and "timeout" not in init_kwargs:
+        init_kwargs["timeout"] = timeout
+    if threads:
+        return _spawn_threads(fn, nprocs, tuple(args), timeout, init_kwargs)
+    return _spawn_processes(fn, nprocs, tuple(args), timeout, start_method, env or {}, init_kwargs)
+
+
+# -- threads -------------------------------------------------------------------
+
+
+def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
+                   init_kwargs: dict[str, Any]) -> list[Any]:
+    from .store.memory import MemoryStore
+    from .world import init
+
+    store = MemoryStore()
+    run_id = secrets.token_hex(6)
+    results: list[Any] = [None] * nprocs
+    errors: dict[int, BaseException] = {}
+
+    def rank_main(rank: int) -> None:
+        comm = None
+        try:
+            comm = init(rank=rank, size=nprocs, store=store, run_id=run_id, **init_kwargs)
+            results[rank] = fn(comm, *args)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+            errors[rank] = exc
+        finally:
+            if comm is not None:
+                comm.close()  # peers blocked on this rank see it go at once
+
+    workers = [threading.Thread(target=rank_main, args=(r,), name=f"tcoll-rank-{r}", daemon=True)
+               for r in range(nprocs)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout)
+        if worker.is_alive():
+            from .errors import TimeoutError
+
+            raise TimeoutError(f"tcoll.spawn(threads=True) did not finish within {timeout} s")
+    if errors:
+        rank = _first_cause(errors)
+        raise SpawnError(rank, f"{type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
+    return results
+
+
+def _first_cause(errors: dict[int, BaseException]) -> int:
+    """The rank whose failure is the root cause: not a PeerLostError if another error exists."""
+    from .errors import PeerLostError
+
+    primary = [rank for rank, exc in errors.items() if not isinstance(exc, PeerLostError)]
+    return min(primary or errors)
+
+
+# -- processes -----------------------------------------------------------------
+
+
+def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
+                     start_method: str | None, env: dict[str, str], init_kwargs: dict[str, Any]) -> list[Any]:
+    from .store.tcp import TCPStoreServer
+
+    context = _context(start_method)
+    server = TCPStoreServer("127.0.0.1", 0)
+    run_id = secrets.token_hex(6)
+    payload = _pickle_function(fn)
+    procs: list[Any] = []
+    pipes: list[Connection] = []
+    try:
+        for rank in range(nprocs):
+            rank_env = dict(env, TCOLL_RANK=str(rank), TCOLL_SIZE=str(nprocs), TCOLL_LOCAL_RANK=str(rank),
+                            TCOLL_LOCAL_SIZE=str(nprocs), TCOLL_MASTER=f"127.0.0.1:{server.port}",
+                            TCOLL_STORE_HOSTED="1", TCOLL_RUN_ID=run_id)
+            parent_end, child_end = context.Pipe(duplex=False)
+            proc = context.Process(target=_process_main, args=(payload, args, rank_env, init_kwargs, child_end),
+                                   name=f"tcoll-rank-{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            pipes.append(parent_end)
+        return _collect(procs, pipes, timeout)
+    finally:
+        _stop(procs)
+        for pipe in pipes:
+            pipe.close()
+        server.close()
+        for leftover in glob.glob(os.path.join(SHM_DIR, f"tcoll-{run_id}-*")):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+
+
+def _context(start_method: str | None) -> Any:
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    context = mp.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(["numpy", "tcoll"])
+    return context
+
+
+def _pickle_function(fn: Callable[..., Any]) -> bytes:
+    """Pickle fn by reference; fall back to cloudpickle (notebooks, lambdas) when installed."""
+    try:
+        return pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        try:
+            import cloudpickle  # type: ignore[import-not-found]
+        except ImportError:
+            raise TypeError(f"tcoll.spawn needs a picklable function (defined at module level); "
+                            f"{fn!r} is not (install cloudpickle to send notebook functions)") from None
+        return cloudpickle.dumps(fn)
+
+
+def _process_main(payload: bytes, args: tuple[Any, ...], env: dict[str, str], init_kwargs: dict[str, Any],
+                  pipe: Connection) -> None:
+    """The body of a rank process: init, run fn, report the result or the error."""
+    os.environ.update(env)
+    from .world import init
+
+    comm = None
+    try:
+        fn = pickle.loads(payload)
+        comm = init(**init_kwargs)
+        reply: tuple[str, Any, str] = ("ok", fn(comm, *args), "")
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent
+        reply = ("error", exc, traceback.format_exc())
+    finally:
+        if comm is not None:
+            comm.close()
+    try:
+        pipe.send(reply)
+    except Exception as exc:  # noqa: BLE001 - the result or the error did not pickle
+        pipe.send(("error", None, f"{reply[2]}\n(could not send the {reply[0]} back: {exc!r})"))
+    pipe.close()
+
+
+def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -> list[Any]:
+    """Wait for every rank's reply; on the first failure raise it (the caller stops the rest)."""
+    import time
+
+    results: list[Any] = [None] * len(procs)
+    pending = {pipe: rank for rank, pipe in enumerate(pipes)}
+    sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = wait(list(pending) + list(sentinels), left)
+        if not ready:
+            from .errors import TimeoutError
+
+            raise TimeoutError(f"tcoll.spawn did not finish within {timeout} s; ranks "
+                               f"{sorted(pending.values())} still running", pending.values())
+        for obj in ready:
+            if obj in pending:
+                rank = pending.pop(obj)
+                try:
+                    status, value, text = obj.recv()
+                except EOFError:
+                    continue  # the process died before replying: its sentinel reports it
+                if status != "ok":
+                    _raise_failure(rank, value, text)
+                results[rank] = value
+            elif obj in sentinels:
+                rank = sentinels.pop(obj)
+                procs[rank].join()
+                pipe = pipes[rank]
+                if pipe in pending and not pipe.poll():
+                    raise SpawnError(rank, _describe_exit(procs[rank].exitcode))
+    return results
+
+
+def _raise_failure(rank: int, exc: BaseException | None, text: str) -> None:
+    name = type(exc).__name__ if exc is not None else "error"
+    last = text.strip().splitlines()[-1] if text.strip() else name
+    error = SpawnError(rank, last if exc is None else f"{name}: {exc}", text)
+    if exc is not None:
+        raise error from exc
+    raise error
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code} before returning a result"
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate ranks still running (SIGTERM, then SIGKILL after a grace period) and reap all."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(_GRACE)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

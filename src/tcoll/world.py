@@ -1,0 +1,98 @@
+"""`tcoll.init()`: from the environment (or explicit arguments) to a Communicator."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from . import rendezvous
+from .bootstrap import connect_world
+from .comm import Communicator, track
+from .env import Settings
+from .store.base import Store
+
+__all__ = ["init", "default_communicator", "connect"]
+
+_default: Communicator | None = None
+_default_lock = threading.Lock()
+
+
+def init(rank: int | None = None, size: int | None = None, init_method: str | None = None,
+         timeout: float | None = None, *, store: Store | None = None, transport: str | None = None,
+         run_id: str | None = None, **knobs: Any) -> Communicator:
+    """Join the job's world and return its communicator.
+
+    With no arguments, rank, size and the rendezvous address come from the
+    environment of the launcher that started this process: `tcoll run`,
+    torchrun, Slurm, Open MPI or MPICH (Hydra). A process started by none of
+    them is a world of one rank.
+
+    Args:
+        rank: this process's rank (default: from the environment).
+        size: the number of ranks (default: from the environment).
+        init_method: "env://" (default), "tcp://host:port" (rank 0 serves the
+            store there unless a launcher already does) or "file:///path".
+        timeout: seconds for rendezvous and, later, for every blocking call
+            (default: TCOLL_TIMEOUT, or 300).
+        store: meet through this store instead (rank and size required); used
+            by `tcoll.spawn` and tests.
+        transport: "auto", "shm" or "tcp" (default: TCOLL_TRANSPORT, or auto).
+        run_id: the job's name for shared resources (default: the launcher's).
+        **knobs: other `tcoll.env.Settings` fields, e.g. shm_chunk="4K".
+
+    Returns:
+        The communicator of all ranks; the first one made in a process also
+        becomes the default used by module-level functions.
+
+    Raises:
+        RendezvousError: the ranks could not meet (names the missing ranks).
+        ValueError: inconsistent rank/size/environment.
+    """
+    settings = Settings.from_env(timeout=timeout, transport=transport, **knobs)
+    own_store = store is None
+    if store is not None:
+        if rank is None or size is None:
+            raise ValueError("init(store=...) needs rank and size")
+        info = rendezvous.detect({}, rank=rank, size=size)
+        master_host = None
+    else:
+        info = rendezvous.detect(rank=rank, size=size, init_method=init_method)
+        store = rendezvous.open_store(info, init_method, settings.timeout)
+        master_host = info.master_addr or None
+    try:
+        comm = connect(store, info.rank, info.size, settings, run_id or info.run_id, master_host)
+    except BaseException:
+        if own_store:
+            store.close()
+        raise
+    if own_store:
+        comm.own_store(store)
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = comm
+    return comm
+
+
+def connect(store: Store, rank: int, size: int, settings: Settings, run_id: str,
+            master_host: str | None) -> Communicator:
+    """Make a communicator over `store`; each call in a job gets fresh keys.
+
+    Every rank counts its own calls in the store, so the k-th world a rank
+    joins meets the k-th world of every other rank, even on a reused store.
+    """
+    generation = store.add(f"tcoll/generation/{rank}", 1)
+    scoped = store.prefix(f"tcoll/world{generation}")
+    engine, transports = connect_world(scoped, rank, size, settings, run_id, master_host)
+    return track(Communicator(engine, transports, run_id))
+
+
+def default_communicator() -> Communicator:
+    """The communicator made by the first `tcoll.init()` of this process.
+
+    Raises:
+        RuntimeError: tcoll.init() has not been called.
+    """
+    if _default is None or _default.closed:
+        raise RuntimeError("no default communicator: call tcoll.init() first")
+    return _default
