@@ -1,0 +1,204 @@
+"""The ``tcoll`` command line: argparse only; each command builds a config and calls the library.
+
+Commands live in the `COMMANDS` registry, ``name -> (add_arguments, handler)``:
+``add_arguments(parser)`` fills the command's subparser and ``handler(args)``
+returns the exit code; the first line of the handler's docstring is the help.
+Only the chosen command's ``add_arguments`` runs, so ``tcoll run`` never
+imports what ``tcoll bench`` needs.
+
+``tcoll bench`` is provided by the module ``tcoll.bench.cli``, which must define
+``add_arguments(parser: argparse.ArgumentParser) -> None`` and
+``main(args: argparse.Namespace) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from tcoll.launch.config import LaunchConfig, parse_master
+
+__all__ = ["COMMANDS", "build_parser", "main", "register_command"]
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+Handler = Callable[[argparse.Namespace], int]
+
+COMMANDS: dict[str, tuple[AddArguments, Handler]] = {}
+
+
+def register_command(name: str, add_arguments: AddArguments, handler: Handler) -> None:
+    """Add (or replace) a ``tcoll <name>`` command.
+
+    Args:
+        name: the command word.
+        add_arguments: fills the command's argparse subparser.
+        handler: runs the command from the parsed arguments and returns the exit code;
+            the first line of its docstring is the command's help.
+    """
+    COMMANDS[name] = (add_arguments, handler)
+
+
+# -- tcoll run ----------------------------------------------------------------------------
+
+
+def _master(text: str) -> tuple[str, int]:
+    """argparse type for ``ADDR:PORT``."""
+    try:
+        return parse_master(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    """argparse type for ``KEY=VALUE``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``tcoll run`` subparser."""
+    parser.usage = ("tcoll run [-n N] [--nnodes M --node-rank R --master ADDR:PORT] [--run-id ID] "
+                    "[--no-prefix] [options] (-m module | script.py) [args ...]")
+    parser.add_argument("-n", "--nprocs", "--nproc-per-node", type=int, default=1, metavar="N",
+                        help="ranks to start on this node (default: 1)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M",
+                        help="nodes in the job, each running its own `tcoll run` (default: 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="R",
+                        help="this node's index in 0..M-1; node 0 hosts the store (default: 0)")
+    parser.add_argument("--master", type=_master, metavar="ADDR:PORT",
+                        help="where node 0 hosts the tcoll store (required with --nnodes > 1; "
+                             "torch scripts get MASTER_PORT=PORT+1); default on one node: "
+                             "127.0.0.1 and a free port")
+    parser.add_argument("--run-id", default="", metavar="ID",
+                        help="job id, [A-Za-z0-9_.]; names shared-memory segments (default: random)")
+    parser.add_argument("--no-prefix", dest="prefix", action="store_false",
+                        help="do not prefix each output line with '[rank] '")
+    parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                        help="set a variable in every rank (repeatable)")
+    parser.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
+                        help="time between SIGTERM and SIGKILL when stopping ranks (default: 3)")
+    parser.add_argument("--join-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="time to wait for the store and the other nodes (default: 300)")
+    parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="module",
+                        help="run a module (like python -m); everything after it goes to the module")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
+                        help="the script and its arguments, passed through untouched")
+    parser.set_defaults(_parser=parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Start N ranks of a Python script or module on this node (like mpirun or torchrun)."""
+    if args.module is not None:
+        if not args.module:
+            args._parser.error("-m needs a module name")
+        command = ["-m", *args.module]
+    else:
+        command = list(args.command)
+        if command[:1] == ["--"]:
+            command = command[1:]
+    if not command:
+        args._parser.error("no script or module to run")
+    host, port = args.master or ("", 0)
+    config = LaunchConfig(command=command, nprocs=args.nprocs, nnodes=args.nnodes,
+                          node_rank=args.node_rank, master_addr=host, master_port=port,
+                          run_id=args.run_id, env=dict(args.env), prefix=args.prefix,
+                          stop_timeout=args.grace, join_timeout=args.join_timeout)
+    from tcoll.launch.runner import launch  # only `run` pays for importing the runner
+
+    return launch(config)
+
+
+# -- tcoll bench --------------------------------------------------------------------------
+
+_BENCH_MODULE = "tcoll.bench.cli"
+
+
+def _bench_module() -> tuple[ModuleType | None, str]:
+    """Import the bench command's module.
+
+    Returns:
+        (the module, "") or (None, why it could not be imported).
+    """
+    try:
+        return importlib.import_module(_BENCH_MODULE), ""
+    except ImportError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``tcoll bench`` subparser from `tcoll.bench.cli`, or accept anything if it is missing."""
+    module, _ = _bench_module()
+    if module is None:
+        parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    else:
+        module.add_arguments(parser)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Measure collectives: time, algbw, busbw, side by side with gloo and MPI."""
+    module, why = _bench_module()
+    if module is None:
+        print(f"tcoll bench: not available in this installation ({_BENCH_MODULE} cannot be imported: {why})",
+              file=sys.stderr)
+        return 2
+    return int(module.main(args))
+
+
+register_command("run", _add_run_arguments, _run)
+register_command("bench", _add_bench_arguments, _bench)
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def _summary(handler: Handler) -> str:
+    """The first line of a handler's docstring."""
+    lines = (handler.__doc__ or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """Build the ``tcoll`` parser.
+
+    Args:
+        chosen: the command about to run; only its arguments are added (all when None).
+
+    Returns:
+        The parser; parsed arguments carry ``handler``.
+    """
+    parser = argparse.ArgumentParser(prog="tcoll", description="Collective communication for Python.")
+    subparsers = parser.add_subparsers(dest="command_name", metavar="command")
+    for name, (add_arguments, handler) in COMMANDS.items():
+        summary = _summary(handler)
+        sub = subparsers.add_parser(name, help=summary, description=summary)
+        if chosen is None or chosen == name:
+            add_arguments(sub)
+        sub.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tcoll`` command line.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code (2 for a usage error).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(chosen)
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "handler", None) is None:
+            parser.print_usage(sys.stderr)
+            return 2
+        return args.handler(args)
+    except SystemExit as exc:  # argparse's usage errors and --help
+        return exc.code if isinstance(exc.code, int) else 1
