@@ -1,0 +1,1 @@
+"""Benchmarks: `tcoll bench p2p` (point-to-point latency and bandwidth)."""
