@@ -38,19 +38,20 @@ def main() -> None:
     print(f"rank {rank} of {size}: {current.nbytes / 2**20:.0f} MiB, left {left}, right {right}, "
           f"transport {'/'.join(transports)}")
 
-    start = time.perf_counter()
+    moving = 0.0  # seconds spent moving data, checks excluded
     for hop in range(1, size):
+        start = time.perf_counter()
         send = comm.isend(current, right, tag=hop)
         comm.irecv(incoming, left, tag=hop).wait()
         send.wait()
+        moving += time.perf_counter() - start
         origin = (rank - hop) % size
         if not np.array_equal(incoming, fill(origin, count)):
             raise SystemExit(f"rank {rank}: hop {hop} brought wrong data (expected rank {origin}'s array)")
         current, incoming = incoming, current
-    elapsed = time.perf_counter() - start
     hops = size - 1
-    rate = hops * current.nbytes / elapsed / 1e9 if hops else 0.0
-    print(f"ok: {hops} hops checked in {elapsed * 1e3:.1f} ms ({rate:.2f} GB/s received per rank, checks included)")
+    rate = hops * current.nbytes / moving / 1e9 if hops else 0.0
+    print(f"ok: {hops} hops, every one checked; {moving * 1e3:.1f} ms moving data ({rate:.2f} GB/s per rank)")
     comm.close()
 
 

@@ -14,6 +14,7 @@ from .work import Work
 __all__ = ["Communicator", "MAX_TAG"]
 
 MAX_TAG = (1 << 62) - 1
+_LEAVE_TIMEOUT = 10.0  # seconds the store's host waits at close for the others to let go of it
 
 
 class Communicator:
@@ -127,8 +128,19 @@ class Communicator:
         for transport in self._transports:
             transport.close()
         if self._store is not None:
+            self._leave_store()
             self._store.close()
         _forget(self)
+
+    def _leave_store(self) -> None:
+        """Let the rank that serves the store close it last (see rendezvous.store_leave)."""
+        from .errors import TcollError
+        from .rendezvous import store_leave
+
+        try:
+            store_leave(self._store, self.rank, self.size, min(self.timeout, _LEAVE_TIMEOUT))
+        except (TcollError, OSError):
+            pass  # a rank that died never says goodbye; closing goes on without it
 
     def __enter__(self) -> Communicator:
         return self
@@ -142,11 +154,15 @@ class Communicator:
     # -- argument checks -----------------------------------------------------------
 
     def _check_peer(self, peer: Any, name: str) -> None:
+        if type(peer) is int and 0 <= peer < self.size:
+            return
         if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.size:
             raise ValueError(f"{name}={peer!r} is not a rank of this communicator (0 <= {name} < {self.size})")
 
     @staticmethod
     def _check_tag(tag: Any) -> None:
+        if type(tag) is int and 0 <= tag <= MAX_TAG:
+            return
         if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
             raise ValueError(f"tag={tag!r} must be an integer in [0, 2**62)")
 

@@ -83,7 +83,7 @@ class Engine:
 
     def isend(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None) -> SendWork:
         """Start sending the bytes `data` to world rank `peer`; returns the SendWork."""
-        work = SendWork(self, peer, ctx, tag, data, user_buffer, f"send to rank {peer} (tag {tag}, {data.nbytes} B)")
+        work = SendWork(self, peer, ctx, tag, data, user_buffer)
         with self._lock:
             self._check_peer(peer)
             if peer == self.rank:
@@ -94,8 +94,7 @@ class Engine:
 
     def irecv(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None) -> RecvWork:
         """Post a receive of at most data.nbytes bytes from world rank `peer`."""
-        work = RecvWork(self, peer, ctx, tag, data, user_buffer,
-                        f"recv from rank {peer} (tag {tag}, up to {data.nbytes} B)")
+        work = RecvWork(self, peer, ctx, tag, data, user_buffer)
         key = (peer, ctx, tag)
         with self._lock:
             self._check_peer(peer)

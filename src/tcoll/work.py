@@ -26,11 +26,11 @@ class Work:
         description: names the operation in error messages, e.g. "recv from rank 3 (tag 7)".
     """
 
-    __slots__ = ("_engine", "description", "_done", "_error", "_value", "_callbacks")
+    __slots__ = ("_engine", "_description", "_done", "_error", "_value", "_callbacks")
 
-    def __init__(self, engine: Engine | None, description: str) -> None:
+    def __init__(self, engine: Engine | None, description: str = "") -> None:
         self._engine = engine
-        self.description = description
+        self._description = description
         self._done = False
         self._error: BaseException | None = None
         self._value: Any = None
@@ -70,6 +70,11 @@ class Work:
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the operation and return its result (same as wait())."""
         return self.wait(timeout)
+
+    @property
+    def description(self) -> str:
+        """Names the operation in error messages, e.g. "recv from rank 3 (tag 7)"."""
+        return self._description
 
     def peers(self) -> list[int]:
         """The world ranks this operation still waits on (for timeout and liveness)."""
@@ -123,17 +128,20 @@ class SendWork(Work):
 
     __slots__ = ("peer", "ctx", "tag", "data", "nbytes", "offset", "header_sent", "user_buffer")
 
-    def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray, user_buffer: Any,
-                 description: str) -> None:
-        super().__init__(engine, description)
+    def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray, user_buffer: Any) -> None:
+        super().__init__(engine)
         self.peer = peer
         self.ctx = ctx
         self.tag = tag
         self.data = data
-        self.nbytes = int(data.nbytes)
+        self.nbytes = data.nbytes
         self.offset = 0
         self.header_sent = False
         self.user_buffer = user_buffer
+
+    @property
+    def description(self) -> str:
+        return f"send to rank {self.peer} (tag {self.tag}, {self.nbytes} B)"
 
     def peers(self) -> list[int]:
         return [] if self._done else [self.peer]
@@ -152,7 +160,7 @@ class RecvWork(Work):
     __slots__ = ("peer", "ctx", "tag", "data", "capacity", "nbytes", "offset", "user_buffer", "forward")
 
     def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray | None, user_buffer: Any,
-                 description: str) -> None:
+                 description: str = "") -> None:
         super().__init__(engine, description)
         self.peer = peer
         self.ctx = ctx
@@ -163,6 +171,10 @@ class RecvWork(Work):
         self.offset = 0
         self.user_buffer = user_buffer
         self.forward: RecvWork | None = None
+
+    @property
+    def description(self) -> str:
+        return self._description or f"recv from rank {self.peer} (tag {self.tag}, up to {self.capacity} B)"
 
     def peers(self) -> list[int]:
         return [] if self._done else [self.peer]

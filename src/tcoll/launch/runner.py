@@ -171,7 +171,7 @@ class Runner:
 
             try:
                 self._server = server = TCPStoreServer(host, port, auth_key=auth_key)
-            except OSError as exc:  # the store's own errors (RendezvousError) already say where
+            except (OSError, TcollError) as exc:
                 raise LaunchError(f"cannot host the tcoll store at {host}:{port}: {exc}") from exc
             port = server.port
             cfg.run_id = cfg.run_id or new_run_id()

@@ -235,7 +235,11 @@ class ShmChannel(Channel):
             if free < (1 if send.header_sent else HEADER.size):
                 break
             if not send.header_sent:
-                _write(ring, head, HEADER.pack(MAGIC, send.ctx, send.tag, send.nbytes, 0))
+                at = head % size
+                if at + HEADER.size <= size:
+                    HEADER.pack_into(ring.mv, at, MAGIC, send.ctx, send.tag, send.nbytes, 0)
+                else:
+                    _write(ring, head, HEADER.pack(MAGIC, send.ctx, send.tag, send.nbytes, 0))
                 head += HEADER.size
                 free -= HEADER.size
                 send.header_sent = True
