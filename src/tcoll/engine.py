@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .env import Settings
-from .errors import MessageSizeError, PeerLostError, TcollError, TimeoutError
+from .errors import MessageSizeError, PeerLostError, TcollError, TimeoutError, TransportError
 from .transport.base import Channel
 from .waiting import Doorbell, SpinPolicy
 from .work import RecvWork, SendWork, Work
@@ -208,6 +208,9 @@ class Engine:
                     moved = True
             except PeerLostError as exc:
                 self.fail_peer(channel.peer, exc)
+                moved = True
+            except TransportError as exc:  # the stream is unusable: as good as lost
+                self.fail_peer(channel.peer, PeerLostError(channel.peer, str(exc)))
                 moved = True
         return moved
 

@@ -70,6 +70,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
 
 def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
                    init_kwargs: dict[str, Any]) -> list[Any]:
+    import time
+
     from .store.memory import MemoryStore
     from .world import init
 
@@ -77,11 +79,13 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
     run_id = secrets.token_hex(6)
     results: list[Any] = [None] * nprocs
     errors: dict[int, BaseException] = {}
+    comms: list[Any] = []
 
     def rank_main(rank: int) -> None:
         comm = None
         try:
             comm = init(rank=rank, size=nprocs, store=store, run_id=run_id, **init_kwargs)
+            comms.append(comm)
             results[rank] = fn(comm, *args)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = exc
@@ -93,15 +97,26 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
                for r in range(nprocs)]
     for worker in workers:
         worker.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
     for worker in workers:
-        worker.join(timeout)
-        if worker.is_alive():
-            from .errors import TimeoutError
+        worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    running = [rank for rank, worker in enumerate(workers) if worker.is_alive()]
+    if running:
+        # Closing a communicator fails the operations its rank is blocked in: the threads end.
+        for comm in list(comms):
+            comm.close()
+        stop_by = time.monotonic() + _GRACE
+        for worker in workers:
+            worker.join(max(0.0, stop_by - time.monotonic()))
+        from .errors import TimeoutError
 
-            raise TimeoutError(f"tcoll.spawn(threads=True) did not finish within {timeout} s")
+        raise TimeoutError(f"tcoll.spawn(threads=True) did not finish within {timeout} s; ranks "
+                           f"{running} still running", running)
     if errors:
         rank = _first_cause(errors)
-        raise SpawnError(rank, f"{type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
+        error = errors[rank]
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        raise SpawnError(rank, _describe_error(error), text) from error
     return results
 
 
@@ -120,10 +135,10 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
                      start_method: str | None, env: dict[str, str], init_kwargs: dict[str, Any]) -> list[Any]:
     from .store.tcp import TCPStoreServer
 
+    payload = _pickle_function(fn)  # first: a TypeError here must leave nothing running
     context = _context(start_method)
     server = TCPStoreServer("127.0.0.1", 0)
     run_id = secrets.token_hex(6)
-    payload = _pickle_function(fn)
     procs: list[Any] = []
     pipes: list[Connection] = []
     try:
@@ -197,47 +212,87 @@ def _process_main(payload: bytes, args: tuple[Any, ...], env: dict[str, str], in
 
 
 def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -> list[Any]:
-    """Wait for every rank's reply; on the first failure raise it (the caller stops the rest)."""
+    """Wait for every rank's reply; on the first failure raise it (the caller stops the rest).
+
+    A rank that dies without replying (killed, os._exit) is a failure as soon as
+    either its pipe closes or its sentinel fires, whichever is seen first. A
+    PeerLostError is usually the echo of another rank's failure, which may reach
+    us a moment later: it is held back for up to _GRACE seconds while the other
+    ranks report, and raised only if no other failure shows up.
+    """
     import time
 
+    from .errors import PeerLostError
+
     results: list[Any] = [None] * len(procs)
-    pending = {pipe: rank for rank, pipe in enumerate(pipes)}
-    sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    pending = set(range(len(procs)))
+    owner: dict[Any, int] = {}
+    for rank, (proc, pipe) in enumerate(zip(procs, pipes)):
+        owner[pipe] = owner[proc.sentinel] = rank
     deadline = None if timeout is None else time.monotonic() + timeout
+    echo: tuple[int, BaseException | None, str] | None = None  # a held-back PeerLostError failure
+    echo_until = 0.0
     while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = wait(list(pending) + list(sentinels), left)
+        limits = [t for t in (deadline, echo_until if echo is not None else None) if t is not None]
+        left = None if not limits else max(0.0, min(limits) - time.monotonic())
+        ready = wait([pipes[r] for r in pending] + [procs[r].sentinel for r in pending], left)
         if not ready:
+            if echo is not None:
+                _raise_failure(*echo)
             from .errors import TimeoutError
 
             raise TimeoutError(f"tcoll.spawn did not finish within {timeout} s; ranks "
-                               f"{sorted(pending.values())} still running", pending.values())
+                               f"{sorted(pending)} still running", pending)
         for obj in ready:
-            if obj in pending:
-                rank = pending.pop(obj)
-                try:
-                    status, value, text = obj.recv()
-                except EOFError:
-                    continue  # the process died before replying: its sentinel reports it
-                if status != "ok":
-                    _raise_failure(rank, value, text)
+            rank = owner[obj]
+            if rank not in pending:
+                continue  # its pipe and its sentinel were both ready
+            reply = _reply(procs[rank], pipes[rank], obj is pipes[rank])
+            if reply is None:
+                continue  # the process has exited but its pipe is not closed yet: it will be
+            pending.discard(rank)
+            status, value, text = reply
+            if status == "ok":
                 results[rank] = value
-            elif obj in sentinels:
-                rank = sentinels.pop(obj)
-                procs[rank].join()
-                pipe = pipes[rank]
-                if pipe in pending and not pipe.poll():
-                    raise SpawnError(rank, _describe_exit(procs[rank].exitcode))
+            elif status == "died":
+                raise SpawnError(rank, text)
+            elif isinstance(value, PeerLostError):
+                if echo is None:
+                    echo, echo_until = (rank, value, text), time.monotonic() + _GRACE
+            else:
+                _raise_failure(rank, value, text)
+    if echo is not None:
+        _raise_failure(*echo)
     return results
+
+
+def _reply(proc: Any, pipe: Connection, pipe_ready: bool) -> tuple[str, Any, str] | None:
+    """The rank's reply; ("died", None, how) if it exited without one; None if not known yet."""
+    if pipe_ready or pipe.poll():
+        try:
+            return pipe.recv()  # type: ignore[no-any-return]
+        except EOFError:
+            pass  # the process is gone (its end of the pipe closed with it)
+    elif proc.is_alive():
+        return None
+    proc.join()
+    return "died", None, _describe_exit(proc.exitcode)
 
 
 def _raise_failure(rank: int, exc: BaseException | None, text: str) -> None:
     name = type(exc).__name__ if exc is not None else "error"
     last = text.strip().splitlines()[-1] if text.strip() else name
-    error = SpawnError(rank, last if exc is None else f"{name}: {exc}", text)
+    error = SpawnError(rank, last if exc is None else _describe_error(exc), text)
     if exc is not None:
         raise error from exc
     raise error
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        code = int(exc.code) if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return f"exited with code {code} (it called sys.exit({exc.code!r}))"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _describe_exit(code: int | None) -> str:

@@ -94,6 +94,11 @@ class Doorbell:
         """A doorbell in anonymous memory, for waking threads of this process."""
         return cls(mmap.mmap(-1, mmap.PAGESIZE), 0)
 
+    @property
+    def sleepers(self) -> int:
+        """How many of the owner's threads announced they sleep (or are about to)."""
+        return self._words[1]
+
     def ring(self) -> None:
         """Wake the owner if it sleeps. Call after publishing the data it waits for."""
         fence()
@@ -167,10 +172,16 @@ class SpinPolicy:
         return self.oversubscribed
 
     def record(self, waited_s: float, blocked: bool) -> None:
-        """Learn from one finished wait: how long it took, and whether it blocked."""
-        hit = 0.0 if blocked else 1.0
-        self._hits = 0.9 * self._hits + 0.1 * hit
-        if self._hits < 0.2:
+        """Learn from one finished wait: how long it took, and whether it blocked.
+
+        A wait that blocked but ended soon after the budget ran out would have
+        been caught by a longer budget: grow it. Waits that keep outlasting the
+        budget by far only burn CPU while polling: shrink it.
+        """
+        self._hits = 0.9 * self._hits + (0.0 if blocked else 0.1)
+        if blocked and waited_s < 2 * self.max_s:
+            self.budget_s = min(self.max_s, self.budget_s * 2 + 1e-6)
+        elif self._hits < 0.2:
             self.budget_s = max(self.MIN_US * 1e-6, self.budget_s * 0.7)
-        elif self._hits > 0.5 or (blocked and waited_s < 4 * self.max_s):
+        elif self._hits > 0.5:
             self.budget_s = min(self.max_s, self.budget_s * 1.5 + 1e-6)

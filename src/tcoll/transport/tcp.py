@@ -89,7 +89,7 @@ class TcpChannel(Channel):
                 self._push()
             except PeerLostError as exc:  # reported by the next progress(), which the engine handles
                 self._lost = exc
-        if queue and self.engine.doorbell._words[1]:
+        if queue and self.engine.doorbell.sleepers:
             # Another thread sleeps: it must wake when the socket takes more, or nobody pushes the rest.
             self._arm()
 
@@ -107,7 +107,7 @@ class TcpChannel(Channel):
         moved = self._push() if self._sendq else False
         if self._pull():
             moved = True
-        elif not moved and self.engine.doorbell._words[1]:
+        elif not moved and self.engine.doorbell.sleepers:
             # The engine is about to sleep (it counts itself a sleeper before its last look).
             self._arm()
         return moved

@@ -1,0 +1,82 @@
+"""The doorbell (futex eventcount) and the adaptive spin budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tcoll.waiting import Doorbell, SpinPolicy
+
+
+@pytest.mark.timeout(30)
+def test_ring_wakes_a_sleeper() -> None:
+    bell = Doorbell.private()
+    announced = threading.Event()
+    woke: list[float] = []
+
+    def sleeper() -> None:
+        seq = bell.prepare_sleep()
+        announced.set()
+        start = time.monotonic()
+        bell.sleep(seq, 20.0)
+        woke.append(time.monotonic() - start)
+        bell.end_sleep()
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    announced.wait(10)
+    assert bell.sleepers == 1
+    bell.ring()  # may land before the futex wait: the sequence moved, so it returns at once
+    thread.join(10)
+    assert woke and woke[0] < 10.0
+    assert bell.sleepers == 0
+
+
+def test_sleep_returns_at_once_when_the_sequence_moved() -> None:
+    bell = Doorbell.private()
+    seq = bell.prepare_sleep()
+    bell.wake()
+    start = time.monotonic()
+    bell.sleep(seq, 5.0)
+    bell.end_sleep()
+    assert time.monotonic() - start < 1.0
+
+
+def test_sleep_times_out() -> None:
+    bell = Doorbell.private()
+    seq = bell.prepare_sleep()
+    start = time.monotonic()
+    bell.sleep(seq, 0.05)
+    bell.end_sleep()
+    assert 0.04 <= time.monotonic() - start < 2.0
+
+
+def test_ring_without_sleepers_leaves_the_sequence() -> None:
+    bell = Doorbell.private()
+    before = bell.prepare_sleep()
+    bell.end_sleep()
+    bell.ring()
+    assert bell.prepare_sleep() == before
+    bell.end_sleep()
+
+
+def test_budget_shrinks_under_long_waits_and_recovers() -> None:
+    policy = SpinPolicy(max_us=100, oversubscribed=False)
+    for _ in range(50):
+        policy.record(0.050, blocked=True)  # waits of 50 ms: polling is wasted
+    assert policy.budget_s == pytest.approx(SpinPolicy.MIN_US * 1e-6)
+    for _ in range(20):
+        policy.record(30e-6, blocked=True)  # the event came 30 us in: a longer budget catches it
+    assert policy.budget_s == pytest.approx(100e-6)
+    for _ in range(20):
+        policy.record(10e-6, blocked=False)
+    assert policy.budget_s == pytest.approx(100e-6)
+
+
+def test_oversubscribed_caps_and_yields() -> None:
+    policy = SpinPolicy(max_us=100, oversubscribed=True)
+    assert policy.budget_s <= 20e-6
+    assert policy.yield_while_polling
+    assert not SpinPolicy(max_us=100, oversubscribed=False).yield_while_polling
