@@ -8,6 +8,7 @@ from typing import Any
 
 from .buffers import as_bytes
 from .engine import Engine
+from .errors import TimeoutError
 from .transport.base import Transport
 from .work import Work
 
@@ -96,8 +97,17 @@ class Communicator:
         self.isend(buf, dst, tag).wait(timeout)
 
     def recv(self, buf: Any, src: int, tag: int = 0, timeout: float | None = None) -> Any:
-        """Receive a message from rank `src` into `buf` and return `buf` (see irecv)."""
-        return self.irecv(buf, src, tag).wait(timeout)
+        """Receive a message from rank `src` into `buf` and return `buf` (see irecv).
+
+        If it times out before the message started to arrive, the receive is
+        withdrawn, so the message goes to the next receive instead.
+        """
+        work = self.irecv(buf, src, tag)
+        try:
+            return work.wait(timeout)
+        except TimeoutError:
+            self._engine.cancel(work)
+            raise
 
     # -- introspection and life cycle -------------------------------------------
 
@@ -133,14 +143,22 @@ class Communicator:
         _forget(self)
 
     def _leave_store(self) -> None:
-        """Let the rank that serves the store close it last (see rendezvous.store_leave)."""
+        """Let the rank whose process serves the store close it last.
+
+        The others say goodbye; the host waits for the goodbyes of the ranks
+        not known to be lost, so its server never vanishes under a rank whose
+        last request is still on the wire.
+        """
         from .errors import TcollError
-        from .rendezvous import store_leave
 
         try:
-            store_leave(self._store, self.rank, self.size, min(self.timeout, _LEAVE_TIMEOUT))
+            if getattr(self._store, "server", None) is None:
+                self._store.set(f"leave/{self.rank}", b"1")
+                return
+            alive = [r for r in range(self.size) if r != self.rank and not self._engine.is_lost(r)]
+            self._store.wait([f"leave/{r}" for r in alive], min(self.timeout, _LEAVE_TIMEOUT))
         except (TcollError, OSError):
-            pass  # a rank that died never says goodbye; closing goes on without it
+            pass  # a rank that died without being noticed never says goodbye; closing goes on
 
     def __enter__(self) -> Communicator:
         return self

@@ -75,6 +75,28 @@ class Engine:
         channel = self.channels[peer]
         return "self" if channel is None else channel.transport_name
 
+    def is_lost(self, peer: int) -> bool:
+        """Whether `peer` is known to be gone."""
+        return peer in self._lost
+
+    def cancel(self, work: RecvWork) -> bool:
+        """Withdraw a posted receive that no message has matched yet.
+
+        Returns:
+            True if withdrawn; False if a message already matched it (it completes as usual).
+        """
+        key = (work.peer, work.ctx, work.tag)
+        with self._lock:
+            posted = self._posted.get(key)
+            if not posted or work not in posted:
+                return False
+            posted.remove(work)
+            if not posted:
+                del self._posted[key]
+            self._posted_from[work.peer] -= 1
+            work._fail(TcollError(f"{work.description} was cancelled"))
+            return True
+
     def expects_from(self, peer: int) -> bool:
         """Whether a receive from `peer` is posted and not yet matched."""
         return self._posted_from[peer] > 0
@@ -266,11 +288,16 @@ class Engine:
                 self.doorbell.end_sleep()
 
     def _check_liveness(self, work: Work) -> None:
-        """Ask the channels of the peers `work` waits on whether those peers live."""
+        """Ask the channels of the peers `work` waits on whether those peers live.
+
+        What a peer sent before it died is taken in first: its last message
+        must not be lost because the check came before the progress.
+        """
         with self._lock:
+            self._progress()
             for peer in work.peers():
                 channel = self.channels[peer] if 0 <= peer < self.size else None
-                if channel is None:
+                if channel is None or peer in self._lost:
                     continue
                 try:
                     channel.check_alive()

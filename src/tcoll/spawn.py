@@ -16,6 +16,7 @@ import pickle
 import secrets
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -42,7 +43,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
         args: more arguments for fn (picklable for processes).
         threads: run the ranks as threads of this process (loopback transport).
         timeout: seconds the whole run may take (default: none); also the
-            communicators' timeout unless init_kwargs gives one.
+            communicators' timeout (else TCOLL_TIMEOUT in the ranks, or 300).
         start_method: multiprocessing start method (default: forkserver where
             available, with numpy and tcoll preloaded, else spawn).
         env: environment variables to set in each rank process.
@@ -53,16 +54,44 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
 
     Raises:
         SpawnError: a rank raised, exited early or was killed; its exception
-            is chained as __cause__ when it could be pickled back.
-        tcoll.TimeoutError: the run took longer than `timeout`.
+            is chained as __cause__ when it could be pickled back. When one
+            rank fails, the PeerLostErrors of the ranks that waited on it are
+            not reported in its place.
+        tcoll.TimeoutError: the run took longer than `timeout`; every rank is
+            stopped first (threads: their communicators are closed).
+        TypeError, ValueError: fn does not pickle (processes, no cloudpickle),
+            or a bad keyword for tcoll.init; nothing has been started.
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, not {nprocs!r}")
-    if timeout is not None and "timeout" not in init_kwargs:
+    _check_init_kwargs(init_kwargs)
+    if timeout is not None:
         init_kwargs["timeout"] = timeout
     if threads:
         return _spawn_threads(fn, nprocs, tuple(args), timeout, init_kwargs)
     return _spawn_processes(fn, nprocs, tuple(args), timeout, start_method, env or {}, init_kwargs)
+
+
+def _check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
+    """Refuse keywords tcoll.init would refuse in every rank, before any rank starts.
+
+    Raises:
+        TypeError: a keyword that is not a `tcoll.env.Settings` field, or one spawn sets itself.
+        ValueError: a bad value (e.g. transport="udp").
+    """
+    import dataclasses
+
+    from .env import Settings
+
+    fields = {field.name for field in dataclasses.fields(Settings)}
+    reserved = sorted(init_kwargs.keys() & {"rank", "size", "store", "init_method", "run_id"})
+    if reserved:
+        raise TypeError(f"tcoll.spawn chooses {', '.join(reserved)} for its ranks itself")
+    unknown = sorted(init_kwargs.keys() - fields)
+    if unknown:
+        raise TypeError(f"tcoll.spawn got unexpected keyword(s) {', '.join(unknown)}; "
+                        f"the keywords it passes to tcoll.init are: {', '.join(sorted(fields))}")
+    Settings.from_env({}, **init_kwargs)
 
 
 # -- threads -------------------------------------------------------------------
@@ -70,8 +99,6 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
 
 def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
                    init_kwargs: dict[str, Any]) -> list[Any]:
-    import time
-
     from .store.memory import MemoryStore
     from .world import init
 
@@ -103,7 +130,7 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
     running = [rank for rank, worker in enumerate(workers) if worker.is_alive()]
     if running:
         # Closing a communicator fails the operations its rank is blocked in: the threads end.
-        for comm in list(comms):
+        for comm in comms:
             comm.close()
         stop_by = time.monotonic() + _GRACE
         for worker in workers:
@@ -181,7 +208,7 @@ def _pickle_function(fn: Callable[..., Any]) -> bytes:
         return pickle.dumps(fn)
     except (pickle.PicklingError, AttributeError, TypeError):
         try:
-            import cloudpickle  # type: ignore[import-not-found]
+            import cloudpickle  # type: ignore[import-not-found,import-untyped,unused-ignore]
         except ImportError:
             raise TypeError(f"tcoll.spawn needs a picklable function (defined at module level); "
                             f"{fn!r} is not (install cloudpickle to send notebook functions)") from None
@@ -198,16 +225,20 @@ def _process_main(payload: bytes, args: tuple[Any, ...], env: dict[str, str], in
     try:
         fn = pickle.loads(payload)
         comm = init(**init_kwargs)
-        reply: tuple[str, Any, str] = ("ok", fn(comm, *args), "")
+        status, value, text = "ok", fn(comm, *args), ""
     except BaseException as exc:  # noqa: BLE001 - sent to the parent
-        reply = ("error", exc, traceback.format_exc())
+        status, value, text = "error", exc, traceback.format_exc()
     finally:
         if comm is not None:
             comm.close()
+    # The value travels pickled on its own, so that the parent still gets the
+    # status and the traceback text when the value does not survive the trip.
     try:
-        pipe.send(reply)
-    except Exception as exc:  # noqa: BLE001 - the result or the error did not pickle
-        pipe.send(("error", None, f"{reply[2]}\n(could not send the {reply[0]} back: {exc!r})"))
+        blob = pickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001 - the result or the error does not pickle
+        what = "result" if status == "ok" else "exception"
+        status, blob, text = "error", pickle.dumps(None), f"(could not send the {what} back: {exc!r})\n{text}"
+    pipe.send((status, blob, text))
     pipe.close()
 
 
@@ -220,8 +251,6 @@ def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -
     us a moment later: it is held back for up to _GRACE seconds while the other
     ranks report, and raised only if no other failure shows up.
     """
-    import time
-
     from .errors import PeerLostError
 
     results: list[Any] = [None] * len(procs)
@@ -270,9 +299,15 @@ def _reply(proc: Any, pipe: Connection, pipe_ready: bool) -> tuple[str, Any, str
     """The rank's reply; ("died", None, how) if it exited without one; None if not known yet."""
     if pipe_ready or pipe.poll():
         try:
-            return pipe.recv()  # type: ignore[no-any-return]
+            status, blob, text = pipe.recv()
         except EOFError:
             pass  # the process is gone (its end of the pipe closed with it)
+        else:
+            try:
+                return status, pickle.loads(blob), text
+            except Exception as exc:  # noqa: BLE001 - e.g. an exception class whose __init__ takes other arguments
+                what = "result" if status == "ok" else "exception"
+                return "error", None, f"(could not unpickle the {what} it sent back: {exc!r})\n{text}"
     elif proc.is_alive():
         return None
     proc.join()
@@ -309,8 +344,10 @@ def _stop(procs: list[Any]) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+    stop_by = time.monotonic() + _GRACE  # one grace period for all, not one per rank
     for proc in procs:
-        proc.join(_GRACE)
+        proc.join(max(0.0, stop_by - time.monotonic()))
+    for proc in procs:
         if proc.is_alive():
             proc.kill()
-            proc.join()
+        proc.join()

@@ -1,0 +1,207 @@
+"""Helpers for the fault, spawn and init tests: leftovers, shared-memory segments, file signals.
+
+Ranks in different processes synchronise through files (written atomically,
+polled with a deadline) or through tcoll messages, never through sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SHM_DIR = "/dev/shm"
+
+# Long-lived helpers of the test process, started by multiprocessing: they are
+# not leftovers of a test (the processes they fork are, though).
+_HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
+# -- files as signals between ranks ---------------------------------------------------------
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write `obj` as JSON to `path` atomically (a reader sees all of it or nothing)."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump(obj, handle)
+    os.rename(tmp, path)
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def touch(path: str | os.PathLike[str]) -> None:
+    """Create `path` (a signal another rank polls for)."""
+    write_json(path, True)
+
+
+def wait_file(path: str | os.PathLike[str], timeout: float = 20.0) -> None:
+    """Poll until `path` exists; AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.005)
+
+
+# -- shared memory --------------------------------------------------------------------------
+
+
+def shm_segments(run_id: str) -> list[str]:
+    """The /dev/shm entries of the tcoll run `run_id` (tcoll-<run id>-...)."""
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(f"tcoll-{run_id}-"))
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+def _stat(pid: str) -> tuple[int, str] | None:
+    """(ppid, state) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0].decode()
+
+
+def _is_helper(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            cmdline = handle.read()
+    except OSError:
+        return False
+    return any(helper in cmdline for helper in _HELPERS)
+
+
+def descendants() -> dict[int, str]:
+    """Every process below this one ({pid: state}), except the multiprocessing helpers themselves.
+
+    Rank processes started with the forkserver method are children of the
+    forkserver, so the whole tree is walked, not only direct children. A
+    zombie (state "Z") counts: it is a child nobody reaped.
+    """
+    parents: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _stat(entry)
+            if info is not None:
+                parents[int(entry)] = info
+    me = os.getpid()
+    found: dict[int, str] = {}
+    frontier = [me]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, state) in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = state
+                frontier.append(pid)
+    return {pid: state for pid, state in found.items() if not _is_helper(pid)}
+
+
+def leftover_processes(before: dict[int, str], timeout: float = 10.0) -> dict[int, str]:
+    """Processes below this one that were not there before, once `timeout` has let them go."""
+    deadline = time.monotonic() + timeout
+    while True:
+        extra = {pid: state for pid, state in descendants().items() if pid not in before}
+        if not extra or time.monotonic() > deadline:
+            return extra
+        time.sleep(0.02)
+
+
+def _kill(pids: dict[int, str]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.fixture(name="no_leftovers")
+def no_leftovers_fixture() -> Iterator[None]:
+    """Fail a test that leaves processes (ranks), threads (rank threads, store servers) behind."""
+    processes_before = descendants()
+    threads_before = set(threading.enumerate())
+    yield
+    problems = []
+    extra = leftover_processes(processes_before)
+    if extra:
+        _kill(extra)
+        problems.append(f"processes left running: {extra}")
+    children = multiprocessing.active_children()
+    if children:
+        problems.append(f"multiprocessing.active_children() = {children}")
+    deadline = time.monotonic() + 10
+    while threads := [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]:
+        if time.monotonic() > deadline:
+            problems.append(f"threads left running: {threads}")
+            break
+        threads[0].join(0.05)
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+def rank_report(directory: str | os.PathLike[str], rank: int) -> dict[str, Any]:
+    """The report a rank wrote with `write_report` (fails the test if it did not)."""
+    path = Path(directory) / f"report{rank}.json"
+    assert path.exists(), f"rank {rank} wrote no report (it was stopped or hung)"
+    return read_json(path)
+
+
+def write_report(directory: str | os.PathLike[str], rank: int, report: dict[str, Any]) -> None:
+    write_json(Path(directory) / f"report{rank}.json", report)
+
+
+# -- plain subprocesses -----------------------------------------------------------------------
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# Variables through which a launcher tells a process its rank: none may leak into a test's ranks.
+_LAUNCHER_PREFIXES = ("TCOLL_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_")
+_LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher variable, with tcoll importable, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(name="popen")
+def popen_fixture() -> Iterator[Any]:
+    """Start subprocesses (each in its own session) that are killed and reaped at teardown, pass or fail."""
+    import subprocess
+
+    started: list[subprocess.Popen[Any]] = []
+
+    def start(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        proc = subprocess.Popen(args, start_new_session=True, **kwargs)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group: also what the process started itself
+        except OSError:
+            pass
+        if proc.returncode is not None:
+            continue  # the test reaped it
+        try:
+            proc.communicate(timeout=10)
+        except Exception:  # noqa: BLE001 - reap at any cost
+            proc.kill()
+            proc.wait()
