@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -205,3 +206,25 @@ def popen_fixture() -> Iterator[Any]:
         except Exception:  # noqa: BLE001 - reap at any cost
             proc.kill()
             proc.wait()
+
+
+# -- ports and threads ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def no_leaked_threads() -> Iterator[None]:
+    """Fail a test that leaves threads (store servers, connection handlers, rank threads) running."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 10
+    while extra := [t for t in threading.enumerate() if t not in before and t.is_alive()]:
+        if time.monotonic() > deadline:
+            pytest.fail(f"threads left running: {extra}")
+        extra[0].join(0.05)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proc_util import clean_env, no_leftovers_fixture, popen_fixture  # noqa: F401 - fixtures
+from proc_util import clean_env, free_port, no_leftovers_fixture, popen_fixture  # noqa: F401 - fixtures
 
 import tcoll
 from tcoll import RendezvousError
@@ -96,10 +96,6 @@ RING_JOB = """
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run_ranks(popen: Any, tmp_path: Path, ranks: list[tuple[dict[str, str], dict[str, Any]]],
@@ -149,7 +145,7 @@ def test_no_launcher_is_a_world_of_one(popen: Any, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_explicit_tcp_init_method(popen: Any, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     method = f"tcp://127.0.0.1:{port}"
     reports = _run_ranks(popen, tmp_path, [({}, {"rank": r, "size": 3, "init_method": method, "timeout": 30})
                                            for r in range(3)], store_port=port)
@@ -166,7 +162,7 @@ def test_explicit_file_init_method(popen: Any, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_rank_and_size_in_the_init_method_query(popen: Any, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     reports = _run_ranks(popen, tmp_path, [({}, {"init_method": f"tcp://127.0.0.1:{port}?rank={r}&world_size=2"})
                                            for r in range(2)], store_port=port)
     _check_world(reports, "explicit", store_port=port)
@@ -199,7 +195,7 @@ LAUNCHERS = {"torchrun": _torchrun, "openmpi": _openmpi, "pmi": _pmi, "slurm": _
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_launcher_environment(popen: Any, tmp_path: Path, launcher: str) -> None:
     # Rank 0 must serve the store on the port the launcher's variables name.
-    port, size = _free_port(), 2 if launcher == "torchrun" else 3
+    port, size = free_port(), 2 if launcher == "torchrun" else 3
     reports = _run_ranks(popen, tmp_path, [(LAUNCHERS[launcher](r, size, port), {}) for r in range(size)],
                          store_port=port)
     _check_world(reports, launcher, store_port=port)
@@ -210,7 +206,7 @@ def test_launcher_environment(popen: Any, tmp_path: Path, launcher: str) -> None
 
 @pytest.mark.timeout(30)
 def test_missing_rank_over_tcp(bare_env: pytest.MonkeyPatch) -> None:
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(RendezvousError) as info:
         tcoll.init(rank=0, size=3, init_method=f"tcp://127.0.0.1:{port}", timeout=2)
@@ -222,7 +218,7 @@ def test_missing_rank_over_tcp(bare_env: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.timeout(30)
 def test_missing_rank_under_torchrun_env(bare_env: pytest.MonkeyPatch) -> None:
-    port = _free_port()
+    port = free_port()
     for name, value in _torchrun(0, 2, port).items():
         bare_env.setenv(name, value)
     start = time.monotonic()
@@ -246,7 +242,7 @@ def test_missing_rank_over_file(bare_env: pytest.MonkeyPatch, tmp_path: Path) ->
 
 @pytest.mark.timeout(30)
 def test_store_host_never_arrives(bare_env: pytest.MonkeyPatch) -> None:
-    port = _free_port()  # nobody serves it
+    port = free_port()  # nobody serves it
     start = time.monotonic()
     with pytest.raises(RendezvousError) as info:
         tcoll.init(rank=1, size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=2)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from proc_util import free_port, no_leaked_threads  # noqa: F401 - a fixture
 
 from tcoll import rendezvous
 from tcoll.errors import RendezvousError, TimeoutError
@@ -17,7 +16,7 @@ from tcoll.rendezvous import LaunchInfo, detect, exchange_cards, open_store, sto
 from tcoll.store import FileStore, MemoryStore, PrefixStore, Store, TCPStore, TCPStoreServer
 
 # Every test here may start threads (servers, ranks) or processes: none may hang the suite.
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
 
 TCOLL = {
     "TCOLL_RANK": "3", "TCOLL_SIZE": "8", "TCOLL_LOCAL_RANK": "1", "TCOLL_LOCAL_SIZE": "2",
@@ -39,22 +38,6 @@ SLURM = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    """Fail a test that leaves threads (store servers, rank threads) running."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 10
-    while extra := [t for t in threading.enumerate() if t not in before and t.is_alive()]:
-        if time.monotonic() > deadline:
-            pytest.fail(f"threads left running: {extra}")
-        extra[0].join(0.05)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- detect: each launcher ---------------------------------------------------------------
@@ -241,7 +224,7 @@ def test_open_store_kinds(tmp_path) -> None:
 
 
 def test_open_store_rank0_hosts_unless_hosted() -> None:
-    port = _free_port()
+    port = free_port()
     with open_store(_info(size=2, master_addr="127.0.0.1", master_port=port), None, 10) as host:
         assert isinstance(host, TCPStore) and host.server is not None
         with open_store(_info(rank=1, size=2, master_addr="127.0.0.1", master_port=port), None, 10) as guest:
@@ -291,7 +274,7 @@ def test_exchange_cards_memory() -> None:
 
 
 def test_exchange_cards_over_tcp_with_rank0_hosting() -> None:
-    port = _free_port()
+    port = free_port()
 
     def rank_main(rank: int) -> list[dict]:
         info = detect({}, rank=rank, size=4, init_method=f"tcp://127.0.0.1:{port}")
@@ -363,3 +346,4 @@ def test_module_exports() -> None:
 
     assert store_pkg.open_store is rendezvous.open_store
     assert set(rendezvous.__all__) >= {"LaunchInfo", "detect", "open_store", "exchange_cards", "store_barrier"}
+

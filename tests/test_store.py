@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from proc_util import free_port, no_leaked_threads  # noqa: F401 - a fixture
 
 from tcoll.errors import RendezvousError, TimeoutError
 from tcoll.store import FileStore, MemoryStore, PrefixStore, Store, TCPStore, TCPStoreServer, TorchStore
@@ -21,30 +22,11 @@ from tcoll.store import tcp as tcp_module
 from tcoll.store.wire import Op, encode, send_frame
 
 # Every test here may start threads (servers, ranks) or processes: none may hang the suite.
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
 
 # -- helpers ---------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    """Fail a test that leaves store threads running (servers, connection handlers)."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 10
-    while True:
-        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not extra:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"threads left running: {extra}")
-        extra[0].join(0.05)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -328,7 +310,7 @@ def test_processes_race_add(kind: str, tmp_path) -> None:
 
 
 def test_client_connects_before_server_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    port = _free_port()
+    port = free_port()
     refused = threading.Event()
     real_connect = socket.create_connection
 
@@ -357,7 +339,7 @@ def test_client_connects_before_server_starts(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_unreachable_store_names_address() -> None:
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(RendezvousError) as info:
         TCPStore("127.0.0.1", port, timeout=0.3)
@@ -557,3 +539,4 @@ def test_torch_store_is_lazy() -> None:
     code = "import sys, tcoll.store; assert 'torch' not in sys.modules; tcoll.store.TorchStore"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+
