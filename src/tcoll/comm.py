@@ -8,7 +8,6 @@ from typing import Any
 
 from .buffers import as_bytes
 from .engine import Engine
-from .errors import TimeoutError
 from .transport.base import Transport
 from .work import Work
 
@@ -105,7 +104,7 @@ class Communicator:
         work = self.irecv(buf, src, tag)
         try:
             return work.wait(timeout)
-        except TimeoutError:
+        except BaseException:  # a timeout, or KeyboardInterrupt: nobody will wait for it again
             self._engine.cancel(work)
             raise
 
@@ -199,6 +198,11 @@ def track(comm: Communicator) -> Communicator:
 def _forget(comm: Communicator) -> None:
     with _live_lock:
         _live.discard(comm)
+    for hook in _on_close:
+        hook(comm)
+
+
+_on_close: list[Any] = []  # called with each communicator as it closes (world forgets its default)
 
 
 @atexit.register

@@ -6,8 +6,9 @@ their receive was posted. Progress is driven by the callers: whoever waits
 moves data for everyone (as MPI does without a progress thread), under one
 lock, so concurrent waiters on several threads are safe.
 
-Waiting is adaptive (see `tcoll.waiting`): poll for a self-tuned budget, yield,
-then block on this rank's doorbell, which every peer rings after it publishes
+Waiting is adaptive (see `tcoll.waiting`): poll for a self-tuned budget
+(yielding the CPU at each poll when ranks outnumber cores), then block on this
+rank's doorbell, which every peer rings after it publishes
 data or frees space for us. While blocked, the engine wakes every
 `liveness_interval` seconds to ask the channels it waits on whether their
 peers still live, so a dead peer fails its operations in seconds.
@@ -61,6 +62,8 @@ class Engine:
         self._unexpected: dict[_Key, deque[RecvWork]] = {}
         self._lost: dict[int, PeerLostError] = {}
         self.closed = False
+        self.in_progress = 0  # depth of _progress calls; callbacks wait until it is 0
+        self.deferred: list[Work] = []  # works whose callbacks are due
 
     # -- setup ---------------------------------------------------------------
 
@@ -95,6 +98,7 @@ class Engine:
                 del self._posted[key]
             self._posted_from[work.peer] -= 1
             work._fail(TcollError(f"{work.description} was cancelled"))
+            self._wake_own()
             return True
 
     def expects_from(self, peer: int) -> bool:
@@ -119,8 +123,9 @@ class Engine:
         work = RecvWork(self, peer, ctx, tag, data, user_buffer)
         key = (peer, ctx, tag)
         with self._lock:
-            self._check_peer(peer)
             early = self._unexpected.get(key)
+            if not early:
+                self._check_peer(peer)  # what a lost peer sent before it went is still delivered
             if early:
                 arrived = early.popleft()
                 if not early:
@@ -147,6 +152,7 @@ class Engine:
         target.offset = send.nbytes
         self.recv_done(target)
         self.send_done(send)
+        self._wake_own()
 
     # -- called by channels (lock held) --------------------------------------
 
@@ -222,9 +228,35 @@ class Engine:
         with self._lock:
             return self._progress()
 
+    def _wake_own(self) -> None:
+        """Wake this rank's threads sleeping on its doorbell: one may wait for what just completed."""
+        if self.doorbell.sleepers:
+            self.doorbell.wake()
+
     def _progress(self) -> bool:
+        """One round over every channel (lock held); completion callbacks run after it.
+
+        Channels complete works in the middle of their loops; a callback that
+        posted or polled from there would re-enter a channel mid-update, so
+        callbacks are collected by Work._finish / _fail and run here, last.
+        """
+        self.in_progress += 1
+        try:
+            moved = self._progress_channels()
+        finally:
+            self.in_progress -= 1
+        if self.in_progress == 0 and self.deferred:
+            self._run_deferred()
+        return moved
+
+    def _run_deferred(self) -> None:
+        while self.deferred:
+            work = self.deferred.pop(0)
+            work._run_callbacks()
+
+    def _progress_channels(self) -> bool:
         moved = False
-        for channel in self._active:
+        for channel in tuple(self._active):
             try:
                 if channel.progress():
                     moved = True
@@ -234,10 +266,12 @@ class Engine:
             except TransportError as exc:  # the stream is unusable: as good as lost
                 self.fail_peer(channel.peer, PeerLostError(channel.peer, str(exc)))
                 moved = True
+        if moved and self.doorbell.sleepers:
+            self.doorbell.wake()  # another thread of this rank may sleep waiting for what moved
         return moved
 
     def wait(self, work: Work, timeout: float | None = None) -> None:
-        """Drive progress until `work` is done: poll, then yield, then block.
+        """Drive progress until `work` is done: poll for the spin budget, then block.
 
         Raises:
             tcoll.TimeoutError: naming the operation and the ranks it waits on.
@@ -256,6 +290,13 @@ class Engine:
             if work._done:
                 break
             now = time.monotonic()
+            if now >= next_liveness:  # checked even while other traffic keeps flowing
+                self._check_liveness(work)
+                next_liveness = now + self.settings.liveness_interval
+                if work._done:
+                    break
+            if now >= deadline:
+                raise self._timeout_error(work, limit)
             if moved:
                 spin_start = now  # a pipeline is flowing: the next piece comes soon
                 continue
@@ -263,29 +304,24 @@ class Engine:
                 if self.spin.yield_while_polling:
                     os.sched_yield()
                 continue
-            if now >= deadline:
-                raise self._timeout_error(work, limit)
             blocked = True
             self._block(work, min(deadline, next_liveness) - now)
-            now = time.monotonic()
-            if now >= next_liveness:
-                self._check_liveness(work)
-                next_liveness = now + self.settings.liveness_interval
-            spin_start = now
+            spin_start = time.monotonic()
         self.spin.record(time.monotonic() - start, blocked)
 
     def _block(self, work: Work, timeout: float) -> None:
         """Sleep on the doorbell unless progress is possible (re-checked after announcing)."""
+        bell = self.doorbell  # the same one throughout, even if close() swaps it meanwhile
         with self._lock:
-            seq = self.doorbell.prepare_sleep()
-            if self._progress() or work._done:
-                self.doorbell.end_sleep()
+            seq = bell.prepare_sleep()
+            if self._progress() or work._done or self.closed:
+                bell.end_sleep()
                 return
         try:
-            self.doorbell.sleep(seq, timeout)
+            bell.sleep(seq, timeout)
         finally:
             with self._lock:
-                self.doorbell.end_sleep()
+                bell.end_sleep()
 
     def _check_liveness(self, work: Work) -> None:
         """Ask the channels of the peers `work` waits on whether those peers live.
@@ -302,7 +338,9 @@ class Engine:
                 try:
                     channel.check_alive()
                 except PeerLostError as exc:
-                    self.fail_peer(peer, exc)
+                    self._progress()  # it may have written its last message just before it went
+                    if peer in work.peers():
+                        self.fail_peer(peer, exc)
 
     def _timeout_error(self, work: Work, limit: float) -> TimeoutError:
         peers = work.peers()
@@ -312,7 +350,7 @@ class Engine:
     # -- failure and shutdown ------------------------------------------------
 
     def fail_peer(self, peer: int, error: PeerLostError) -> None:
-        """Fail every operation pending on `peer` and refuse new ones (lock held)."""
+        """Fail every operation pending on `peer` and refuse new ones."""
         with self._lock:
             if peer in self._lost:
                 return
@@ -332,6 +370,7 @@ class Engine:
                 for early in self._unexpected[key]:
                     if not early._done:
                         early._fail(error)
+            self._wake_own()
 
     def close(self) -> None:
         """Close every channel; pending operations fail."""
@@ -349,4 +388,10 @@ class Engine:
                 for pending in queue:
                     pending._fail(error)
             self._posted.clear()
+            for queue in self._unexpected.values():
+                for early in queue:
+                    if not early._done:
+                        early._fail(error)
             self._unexpected.clear()
+            self.channels = [None] * self.size
+            self.doorbell.wake()  # threads blocked in wait() see the failures now

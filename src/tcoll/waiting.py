@@ -97,7 +97,10 @@ class Doorbell:
     @property
     def sleepers(self) -> int:
         """How many of the owner's threads announced they sleep (or are about to)."""
-        return self._words[1]
+        try:
+            return self._words[1]
+        except ValueError:  # released by close()
+            return 0
 
     def ring(self) -> None:
         """Wake the owner if it sleeps. Call after publishing the data it waits for."""
@@ -126,7 +129,10 @@ class Doorbell:
 
     def end_sleep(self) -> None:
         """Withdraw the announcement made by prepare_sleep (owner's lock held)."""
-        self._words[1] = self._words[1] - 1
+        try:
+            self._words[1] = self._words[1] - 1
+        except ValueError:  # released by close() while this thread slept: nothing left to withdraw
+            pass
 
     def sleep(self, seq: int, timeout: float) -> None:
         """Block until the sequence moves past `seq` or `timeout` seconds pass (GIL released)."""

@@ -94,20 +94,29 @@ class Work:
             self._callbacks.append(fn)
 
     def _finish(self, value: Any = None) -> None:
-        """Mark the work complete with a value and run its callbacks."""
+        """Mark the work complete with a value and run (or schedule) its callbacks."""
         if self._done:
             return
         self._value = value
         self._done = True
-        self._run_callbacks()
+        self._schedule_callbacks()
 
     def _fail(self, error: BaseException) -> None:
-        """Mark the work failed and run its callbacks."""
+        """Mark the work failed and run (or schedule) its callbacks."""
         if self._done:
             return
         self._error = error
         self._done = True
-        self._run_callbacks()
+        self._schedule_callbacks()
+
+    def _schedule_callbacks(self) -> None:
+        if not self._callbacks:
+            return
+        engine = self._engine
+        if engine is not None and engine.in_progress:
+            engine.deferred.append(self)  # the engine runs them once its channels are consistent
+        else:
+            self._run_callbacks()
 
     def _run_callbacks(self) -> None:
         callbacks, self._callbacks = self._callbacks, None
@@ -175,6 +184,12 @@ class RecvWork(Work):
     @property
     def description(self) -> str:
         return self._description or f"recv from rank {self.peer} (tag {self.tag}, up to {self.capacity} B)"
+
+    def _fail(self, error: BaseException) -> None:
+        """Fail this receive, and the user's receive that adopted it while it was arriving."""
+        super()._fail(error)
+        if self.forward is not None:
+            self.forward._fail(error)
 
     def peers(self) -> list[int]:
         return [] if self._done else [self.peer]

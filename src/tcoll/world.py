@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 import threading
 from typing import Any
 
 from . import rendezvous
 from .bootstrap import connect_world
-from .comm import Communicator, track
+from .comm import Communicator, _on_close, track
 from .env import Settings
 from .store.base import Store
 
 __all__ = ["init", "default_communicator", "connect"]
 
+_RUN_ID = re.compile(r"[A-Za-z0-9_.]{1,64}")
 _default: Communicator | None = None
 _default_lock = threading.Lock()
 
@@ -60,7 +63,7 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
         store = rendezvous.open_store(info, init_method, settings.timeout)
         master_host = info.master_addr or None
     try:
-        comm = connect(store, info.rank, info.size, settings, run_id or info.run_id, master_host)
+        comm = connect(store, info.rank, info.size, settings, _safe_run_id(run_id or info.run_id), master_host)
     except BaseException:
         if own_store:
             store.close()
@@ -69,9 +72,16 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
         comm.own_store(store)
     global _default
     with _default_lock:
-        if _default is None or _default.closed:
+        if _default is None:
             _default = comm
     return comm
+
+
+def _safe_run_id(run_id: str) -> str:
+    """The run id as it may appear in file names (/dev/shm/tcoll-<run id>-...): same on every rank."""
+    if _RUN_ID.fullmatch(run_id):
+        return run_id
+    return hashlib.sha1(run_id.encode()).hexdigest()[:12]
 
 
 def connect(store: Store, rank: int, size: int, settings: Settings, run_id: str,
@@ -85,6 +95,17 @@ def connect(store: Store, rank: int, size: int, settings: Settings, run_id: str,
     scoped = store.prefix(f"tcoll/world{generation}")
     engine, transports = connect_world(scoped, rank, size, settings, run_id, master_host)
     return track(Communicator(engine, transports, run_id))
+
+
+def _forget_default(comm: Communicator) -> None:
+    """A closed communicator stops being the default (and is no longer kept alive by it)."""
+    global _default
+    with _default_lock:
+        if _default is comm:
+            _default = None
+
+
+_on_close.append(_forget_default)
 
 
 def default_communicator() -> Communicator:

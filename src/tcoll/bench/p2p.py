@@ -110,7 +110,7 @@ def _raw_tcp_receiver(port_queue: Any, sizes: list[int], repeats: int) -> None:
     with conn, server:
         for nbytes in sizes:
             buf = memoryview(bytearray(max(nbytes, 1)))
-            for _ in range(repeats * 2 + 1):
+            for _ in range(repeats + 1):
                 total = _iterations(nbytes) * nbytes
                 while total > 0:
                     got = conn.recv_into(buf[:min(nbytes, total)])
@@ -136,7 +136,7 @@ def raw_tcp_pair(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
             for nbytes in sizes:
                 payload = np.full(max(nbytes, 1), 7, dtype=np.uint8)[:nbytes]
                 rates = []
-                for attempt in range(repeats * 2 + 1):
+                for attempt in range(repeats + 1):
                     iters = _iterations(nbytes)
                     start = time.perf_counter()
                     for _ in range(iters):

@@ -75,6 +75,15 @@ class LoopbackTransport(Transport):
         for channel in self._channels:
             channel.close()
         self._channels.clear()
+        me = self.engine.rank
+        with _HUB_LOCK:  # left over when setup failed between prepare and connect
+            hub = _HUB.get(self.run_id)
+            if hub is not None and hub.get(me) is self.engine:
+                del hub[me]
+                if not hub:
+                    del _HUB[self.run_id]
+            for key in [k for k in _INBOXES if k[0] == self.run_id and k[2] == me]:
+                del _INBOXES[key]
 
 
 class LoopbackChannel(Channel):

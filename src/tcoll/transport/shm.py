@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import secrets
 import socket
 from collections import deque
@@ -37,7 +38,12 @@ from .base import HEADER, MAGIC, Card, Channel, Transport, unpack_header
 __all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
-_CONTROL = 4096  # first page: the owner's doorbell
+_CONTROL = 4096  # first page: the owner's doorbell, then its "closed" word
+_CLOSED_AT = 64  # byte offset of the uint32 set when the owner closes its communicator
+# The ring protocol relies on stores becoming visible in program order (x86-64
+# TSO): payload before head, and the fence in waiting.py ordering a store before
+# a later load. Weakly ordered CPUs would need real barriers, which Python lacks.
+_ORDERED_MACHINES = ("x86_64", "amd64")
 _RING_CTL = 128  # head on the first cache line, tail on the second
 _HEAD, _TAIL = 0, 8  # indexes into the control words, viewed as uint64
 _SMALL = 4096  # copies below this go through memoryview (less overhead than NumPy)
@@ -71,7 +77,7 @@ def process_alive(pid: int, start_time: int | None) -> bool:
 def _ring_bytes(settings_ring: int, nlocal: int) -> int:
     """The ring size: the setting, or the host budget split among the ordered pairs."""
     if settings_ring:
-        return settings_ring
+        return (settings_ring + 4095) & ~4095  # keeps every ring's counters 8-byte aligned
     pairs = max(1, nlocal * (nlocal - 1))
     size = min(4 << 20, max(256 << 10, _TOTAL_BUDGET // pairs))
     return size & ~4095
@@ -91,6 +97,7 @@ class _Ring:
     def release(self) -> None:
         self.ctl.release()
         self.mv.release()
+        self.np = None  # type: ignore[assignment]  # drops its export of the mapping
 
 
 class _Segment:
@@ -99,8 +106,8 @@ class _Segment:
     def __init__(self, name: str, size: int | None) -> None:
         self.name = name
         self.path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
-        fd = os.open(self.path, flags, 0o600)
+        create = size is not None
+        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if size is not None:
                 os.ftruncate(fd, size)
@@ -109,6 +116,12 @@ class _Segment:
                 size = os.fstat(fd).st_size
             self.size = size
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as exc:
+            if create:
+                self.unlink()
+            raise TransportError(f"cannot {'create' if create else 'map'} {self.path} ({size} B): {exc}; "
+                                 "a smaller TCOLL_SHM_RING, a larger /dev/shm, or TCOLL_TRANSPORT=tcp "
+                                 "may help") from exc
         finally:
             os.close(fd)
 
@@ -121,7 +134,7 @@ class _Segment:
     def close(self) -> None:
         try:
             self.map.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+        except BufferError:  # a user still holds a view: the mapping goes when it is dropped
             pass
 
 
@@ -135,10 +148,12 @@ class ShmTransport(Transport):
         self._own: _Segment | None = None
         self._peers: dict[int, _Segment] = {}
         self._channels: list[ShmChannel] = []
+        self._doorbell: Doorbell | None = None
+        self._closed_word: memoryview | None = None
 
     @classmethod
     def available(cls) -> bool:
-        return FUTEX_AVAILABLE and os.path.isdir(SHM_DIR)
+        return FUTEX_AVAILABLE and os.path.isdir(SHM_DIR) and platform.machine().lower() in _ORDERED_MACHINES
 
     def prepare(self) -> dict[str, Any]:
         return {"dir": SHM_DIR}
@@ -155,8 +170,9 @@ class ShmTransport(Transport):
         ring = _ring_bytes(self.settings.shm_ring, len(local))
         stride = _RING_CTL + ring
         name = f"tcoll-{self.run_id}-{me}-{secrets.token_hex(4)}"
-        self._own = _Segment(name, _CONTROL + stride * len(local))
         try:
+            # One inbound ring per peer, in the order of the peers' ranks.
+            self._own = _Segment(name, _CONTROL + stride * len(peers))
             store.set(f"segment/{me}", f"{name}:{ring}".encode())
             for peer in peers:
                 peer_name, _, peer_ring = store.get(f"segment/{peer}", timeout).decode().rpartition(":")
@@ -167,23 +183,34 @@ class ShmTransport(Transport):
             store.set(f"mapped/{me}", b"1")
             store.wait([f"mapped/{peer}" for peer in peers], timeout)
         finally:
-            self._own.unlink()  # every peer has mapped it (or setup failed): nothing may outlive the job
-        self.engine.doorbell = Doorbell(self._own.map, 0)
+            if self._own is not None:
+                self._own.unlink()  # every peer has mapped it (or setup failed): nothing may outlive the job
+        self._doorbell = self.engine.doorbell = Doorbell(self._own.map, 0)
+        self._closed_word = memoryview(self._own.map)[_CLOSED_AT:_CLOSED_AT + 4].cast("I")
         channels: dict[int, Channel] = {}
         for peer in peers:
-            inbound = _Ring(self._own.map, _CONTROL + stride * local.index(peer), ring)
-            outbound = _Ring(self._peers[peer].map, _CONTROL + stride * local.index(me), ring)
+            theirs = [rank for rank in local if rank != peer]  # the peer's own peers: all of ours but it
+            inbound = _Ring(self._own.map, _CONTROL + stride * peers.index(peer), ring)
+            outbound = _Ring(self._peers[peer].map, _CONTROL + stride * theirs.index(me), ring)
             channel = ShmChannel(self.engine, peer, inbound, outbound, Doorbell(self._peers[peer].map, 0),
+                                 memoryview(self._peers[peer].map)[_CLOSED_AT:_CLOSED_AT + 4].cast("I"),
                                  cards[peer], self.settings.shm_chunk)
             self._channels.append(channel)
             channels[peer] = channel
         return channels
 
     def close(self) -> None:
+        if self._closed_word is not None:
+            self._closed_word[0] = 1  # peers blocked on us see it at once (they are woken below)
+            self._closed_word.release()
+            self._closed_word = None
         for channel in self._channels:
             channel.close()
         self._channels.clear()
-        self.engine.doorbell = Doorbell.private()
+        if self._doorbell is not None:
+            self.engine.doorbell = Doorbell.private()
+            self._doorbell.release()
+            self._doorbell = None
         for segment in self._peers.values():
             segment.close()
         self._peers.clear()
@@ -198,11 +225,12 @@ class ShmChannel(Channel):
     transport_name = "shm"
 
     def __init__(self, engine: Any, peer: int, inbound: _Ring, outbound: _Ring, peer_bell: Doorbell,
-                 peer_card: Card, chunk: int) -> None:
+                 peer_closed: memoryview, peer_card: Card, chunk: int) -> None:
         super().__init__(engine, peer)
         self._in = inbound
         self._out = outbound
         self._peer_bell = peer_bell
+        self._peer_closed = peer_closed
         self._chunk = min(chunk, outbound.size // 2)
         self._sends: deque[SendWork] = deque()
         self._head = 0  # bytes written to the outbound ring (we are its only writer)
@@ -318,6 +346,8 @@ class ShmChannel(Channel):
         moved = self._pull()
         if self._sends and self._push():
             moved = True
+        if not moved and self._peer_closed[0] and (self._sends or self._recv or self.engine.expects_from(self.peer)):
+            raise PeerLostError(self.peer, "it closed its communicator")
         return moved
 
     def pending_works(self) -> list[Work]:
@@ -327,6 +357,8 @@ class ShmChannel(Channel):
         return pending
 
     def check_alive(self) -> None:
+        if self._peer_closed[0]:
+            raise PeerLostError(self.peer, "it closed its communicator")
         if self._same_pidns and self._pid and not process_alive(self._pid, self._start_time):
             raise PeerLostError(self.peer, f"process {self._pid} on this host is gone")
 
@@ -337,7 +369,9 @@ class ShmChannel(Channel):
         self._sends.clear()
         self._in.release()
         self._out.release()
+        self._peer_bell.wake()  # a peer blocked on us looks again, and finds us closed
         self._peer_bell.release()
+        self._peer_closed.release()
 
 
 def _pid_namespace() -> str:
