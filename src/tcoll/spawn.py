@@ -9,7 +9,6 @@ the rank.
 
 from __future__ import annotations
 
-import glob
 import multiprocessing as mp
 import os
 import pickle
@@ -23,7 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from .errors import SpawnError
-from .transport.shm import SHM_DIR
+from .transport.shm_names import remove_shm_segments
 
 __all__ = ["spawn"]
 
@@ -186,11 +185,7 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
         for pipe in pipes:
             pipe.close()
         server.close()
-        for leftover in glob.glob(os.path.join(SHM_DIR, f"tcoll-{run_id}-*")):
-            try:
-                os.unlink(leftover)
-            except OSError:
-                pass
+        remove_shm_segments(run_id)
 
 
 def _context(start_method: str | None) -> Any:

@@ -19,9 +19,10 @@ import sys
 from collections.abc import Callable
 
 from tcoll.launch.output import LineForwarder
+from tcoll.transport.shm_names import SHM_DIR, remove_shm_segments
 
 __all__ = [
-        "SHM_DIR",
+    "SHM_DIR",
     "RankProcess",
     "Waker",
     "describe_exit",
@@ -30,8 +31,6 @@ __all__ = [
     "remove_shm_segments",
     "signal_group",
 ]
-
-SHM_DIR = "/dev/shm"
 
 
 def exit_code(returncode: int) -> int:
@@ -93,33 +92,6 @@ def parent_death_hook() -> Callable[[], None] | None:
             os._exit(1)
 
     return hook
-
-
-def remove_shm_segments(run_id: str, directory: str = SHM_DIR) -> list[str]:
-    """Delete the shared-memory files of a run: ``<directory>/tcoll-<run_id>-*``.
-
-    Args:
-        run_id: the run's id; empty does nothing.
-        directory: where POSIX shared memory lives.
-
-    Returns:
-        The names removed.
-    """
-    if not run_id:
-        return []
-    head, removed = f"tcoll-{run_id}-", []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    for name in names:
-        if name.startswith(head):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
 
 
 class Waker:

@@ -34,10 +34,10 @@ from ..errors import PeerLostError, TransportError
 from ..waiting import FUTEX_AVAILABLE, Doorbell
 from ..work import RecvWork, SendWork, Work
 from .base import HEADER, MAGIC, Card, Channel, Transport, unpack_header
+from .shm_names import SHM_DIR, segment_name
 
 __all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR"]
 
-SHM_DIR = "/dev/shm"
 _CONTROL = 4096  # first page: the owner's doorbell, then its "closed" word
 _CLOSED_AT = 64  # byte offset of the uint32 set when the owner closes its communicator
 # The ring protocol relies on stores becoming visible in program order (x86-64
@@ -169,7 +169,7 @@ class ShmTransport(Transport):
         local = sorted(peers + [me])
         ring = _ring_bytes(self.settings.shm_ring, len(local))
         stride = _RING_CTL + ring
-        name = f"tcoll-{self.run_id}-{me}-{secrets.token_hex(4)}"
+        name = segment_name(self.run_id, me, secrets.token_hex(4))
         try:
             # One inbound ring per peer, in the order of the peers' ranks.
             self._own = _Segment(name, _CONTROL + stride * len(peers))
