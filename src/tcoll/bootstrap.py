@@ -21,7 +21,7 @@ from .transport.base import Card, Transport
 from .transport.loopback import LoopbackTransport
 from .transport.shm import ShmTransport, host_identity
 from .transport.tcp import TcpTransport
-from .waiting import Doorbell, SpinPolicy, cpu_count
+from .waiting import Doorbell
 
 __all__ = ["connect_world", "TRANSPORTS"]
 
@@ -62,7 +62,7 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
             for channel in channels.values():
                 engine.add_channel(channel)
         local = sum(1 for other in cards if other["host"] == card["host"])
-        engine.spin = SpinPolicy(settings.spin_us, oversubscribed=local > cpu_count())
+        engine.set_ranks_on_host(local)
     except BaseException:
         engine.close()
         for transport in transports:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_bytes", "describe"]
+__all__ = ["as_bytes"]
 
 _U8 = np.dtype(np.uint8)
 
@@ -95,11 +95,3 @@ def _torch_to_ndarray(tensor: Any, what: str) -> np.ndarray:
     # Tensor.numpy() refuses; it shares memory with the tensor.
     return flat.view(torch.uint8).numpy()
 
-
-def describe(obj: Any) -> str:
-    """A short description of a buffer for error messages, e.g. ``float32[1024]``."""
-    dtype = getattr(obj, "dtype", None)
-    shape = getattr(obj, "shape", None)
-    if dtype is not None and shape is not None:
-        return f"{dtype}{list(shape)}"
-    return type(obj).__name__

@@ -27,7 +27,7 @@ import numpy as np
 from .env import Settings
 from .errors import MessageSizeError, PeerLostError, TcollError, TimeoutError, TransportError
 from .transport.base import Channel
-from .waiting import Doorbell, SpinPolicy
+from .waiting import Doorbell, SpinPolicy, cpu_count
 from .work import RecvWork, SendWork, Work
 
 __all__ = ["Engine"]
@@ -44,16 +44,14 @@ class Engine:
         size: the number of ranks in the world.
         settings: tuning knobs (timeout, eager limit, spin budget, ...).
         doorbell: what peers ring to wake this rank.
-        oversubscribed: more ranks than cores on this host (poll less, yield).
     """
 
-    def __init__(self, rank: int, size: int, settings: Settings, doorbell: Doorbell,
-                 oversubscribed: bool = False) -> None:
+    def __init__(self, rank: int, size: int, settings: Settings, doorbell: Doorbell) -> None:
         self.rank = rank
         self.size = size
         self.settings = settings
         self.doorbell = doorbell
-        self.spin = SpinPolicy(settings.spin_us, oversubscribed)
+        self.spin = SpinPolicy(settings.spin_us, oversubscribed=False)
         self.channels: list[Channel | None] = [None] * size
         self._active: list[Channel] = []
         self._lock = threading.RLock()
@@ -72,6 +70,10 @@ class Engine:
         with self._lock:
             self.channels[channel.peer] = channel
             self._active.append(channel)
+
+    def set_ranks_on_host(self, count: int) -> None:
+        """Tune waiting for `count` ranks sharing this host: more ranks than cores poll less and yield."""
+        self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=count > cpu_count())
 
     def transport_of(self, peer: int) -> str:
         """The name of the transport that serves `peer` ("self" for this rank)."""
