@@ -12,6 +12,7 @@ tensors, over shared memory inside a host and TCP between hosts.
 from .comm import Communicator
 from .errors import (
     MessageSizeError,
+    MismatchError,
     PeerLostError,
     RendezvousError,
     SpawnError,
@@ -19,15 +20,26 @@ from .errors import (
     TimeoutError,
     TransportError,
 )
+from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
+from .select import explain
+from .shortcuts import SHORTCUTS, algorithms, make_shortcuts
 from .spawn import spawn
 from .work import Work
 from .world import default_communicator, init
+
+_shortcuts = make_shortcuts()
+globals().update(_shortcuts)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator",
     "Work",
+    "Op",
+    "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC",
+    "loc_pairs",
+    "algorithms",
+    "explain",
     "init",
     "spawn",
     "default_communicator",
@@ -36,7 +48,9 @@ __all__ = [
     "TimeoutError",
     "PeerLostError",
     "MessageSizeError",
+    "MismatchError",
     "TransportError",
     "SpawnError",
     "__version__",
+    *_shortcuts,
 ]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_bytes"]
+__all__ = ["as_bytes", "as_array", "empty_like_kind", "is_torch"]
 
 _U8 = np.dtype(np.uint8)
 
@@ -95,3 +95,85 @@ def _torch_to_ndarray(tensor: Any, what: str) -> np.ndarray:
     # Tensor.numpy() refuses; it shares memory with the tensor.
     return flat.view(torch.uint8).numpy()
 
+
+
+def is_torch(obj: Any) -> bool:
+    """Whether `obj` is a PyTorch tensor (checked without importing torch)."""
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "dtype") and hasattr(obj, "device")
+
+
+def as_array(obj: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
+    """Return a typed ndarray view of a contiguous CPU buffer, keeping its shape.
+
+    Unlike `as_bytes`, the dtype is kept: torch.bfloat16 becomes
+    ml_dtypes.bfloat16, so reductions can run on the view in place.
+
+    Args:
+        obj: a NumPy array, a PyTorch CPU tensor, or a DLPack or buffer-protocol object.
+        writable: require writable memory (the result lands in it).
+        what: how to name the argument in error messages.
+
+    Returns:
+        An ndarray sharing memory with `obj`, C-contiguous.
+
+    Raises:
+        TypeError: not a buffer tcoll understands, or not on the CPU.
+        ValueError: not C-contiguous, or read-only when writable is required.
+    """
+    if type(obj) is np.ndarray:
+        arr = obj
+    elif is_torch(obj):
+        arr = _torch_typed(obj, what)
+    elif isinstance(obj, np.generic):
+        if writable:
+            raise TypeError(f"{what} is a NumPy scalar, which cannot change in place; pass np.array([...])")
+        arr = np.asarray(obj)
+    else:
+        arr = _to_ndarray(obj, what)
+    if not arr.flags.c_contiguous:
+        raise ValueError(
+            f"{what} must be C-contiguous (got strides {arr.strides} for shape {arr.shape}); "
+            "pass np.ascontiguousarray(x) or x.contiguous()"
+        )
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{what} is read-only and cannot receive data")
+    if arr.dtype.hasobject:
+        raise TypeError(f"{what} has dtype object; use the *_object functions for Python objects")
+    return arr
+
+
+def _torch_typed(tensor: Any, what: str) -> np.ndarray:
+    """View a PyTorch CPU tensor as an ndarray of the matching dtype and shape."""
+    raw = _torch_to_ndarray(tensor, what)
+    dtype = _numpy_dtype_of(tensor.dtype)
+    if tensor.numel() == 0:
+        return np.empty(tuple(tensor.shape), dtype=dtype)
+    return raw.view(dtype).reshape(tuple(tensor.shape))
+
+
+def _numpy_dtype_of(torch_dtype: Any) -> np.dtype:
+    import torch
+
+    if torch_dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(torch.empty(0, dtype=torch_dtype).numpy().dtype)
+    except (TypeError, RuntimeError):
+        raise TypeError(f"tensors of dtype {torch_dtype} are not supported") from None
+
+
+def empty_like_kind(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, np.ndarray]:
+    """Allocate an output of the same kind as `like` (NumPy array or torch tensor).
+
+    Returns:
+        (the object to give the user, a typed ndarray view of its memory).
+    """
+    if is_torch(like):
+        import torch
+
+        out = torch.empty(shape, dtype=like.dtype)
+        return out, _torch_typed(out, "output")
+    out = np.empty(shape, dtype=dtype)
+    return out, out

@@ -8,6 +8,10 @@ from typing import Any
 
 from .buffers import as_bytes
 from .engine import Engine
+from .groups import GroupMethods
+from .movement import MovementMethods
+from .objects import ObjectMethods
+from .vcollectives import VCollectiveMethods
 from .transport.base import Transport
 from .work import Work
 
@@ -17,12 +21,13 @@ MAX_TAG = (1 << 62) - 1
 _LEAVE_TIMEOUT = 10.0  # seconds the store's host waits at close for the others to let go of it
 
 
-class Communicator:
+class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMethods):
     """A group of ranks that exchange messages.
 
-    Made by `tcoll.init()` (or `tcoll.spawn`), not directly. Point-to-point
-    operations take NumPy arrays, PyTorch CPU tensors, or other contiguous
-    buffers; receives land in place, without an extra copy.
+    Made by `tcoll.init()` (or `tcoll.spawn`), or from another communicator
+    by `split`, `group` or `dup`; not directly. Point-to-point operations
+    take NumPy arrays, PyTorch CPU tensors, or other contiguous buffers;
+    receives land in place, without an extra copy.
 
     Attributes:
         rank: this process's rank, 0 <= rank < size.
@@ -30,18 +35,35 @@ class Communicator:
         timeout: the default timeout of blocking calls, in seconds.
     """
 
-    def __init__(self, engine: Engine, transports: list[Transport], run_id: str) -> None:
+    def __init__(self, engine: Engine, transports: list[Transport], run_id: str, *,
+                 world_ranks: list[int] | None = None, context: int = 0, parent: Communicator | None = None) -> None:
         self._engine = engine
         self._transports = transports
         self._store: Any = None
         self.run_id = run_id
-        self.rank = engine.rank
-        self.size = engine.size
+        self._world = list(range(engine.size)) if world_ranks is None else world_ranks
+        self.rank = self._world.index(engine.rank)
+        self.size = len(self._world)
         self.timeout = engine.settings.timeout
+        self._parent = parent
+        # Every communicator has its own context: its point-to-point messages
+        # travel in engine context 2c and its collectives in 2c + 1, so no
+        # message of one communicator can match a receive of another.
+        self._context = context
+        self._p2p_ctx = 2 * context
+        self._coll_ctx = 2 * context + 1
+        self._sequence = 0  # collective calls so far; their tags
+        self._forced = engine.settings.forced_algorithms()
         self._closed = False
         self._close_lock = threading.Lock()
 
     # -- point-to-point ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from .errors import TcollError
+
+            raise TcollError("the communicator is closed")
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
         """Start sending `buf` to rank `dst`; returns a Work to wait on.
@@ -62,10 +84,11 @@ class Communicator:
             TypeError: `buf` is not a buffer.
             PeerLostError: `dst` is known to be gone.
         """
+        self._check_open()
         self._check_peer(dst, "dst")
         self._check_tag(tag)
         data = as_bytes(buf, writable=False, what="send buffer")
-        return self._engine.isend(data, dst, 0, tag, buf)
+        return self._engine.isend(data, self._world[dst], self._p2p_ctx, tag, buf)
 
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
         """Start receiving a message from rank `src` into `buf`; returns a Work.
@@ -86,10 +109,11 @@ class Communicator:
             TypeError: `buf` is not a buffer.
             PeerLostError: `src` is known to be gone.
         """
+        self._check_open()
         self._check_peer(src, "src")
         self._check_tag(tag)
         data = as_bytes(buf, writable=True, what="receive buffer")
-        return self._engine.irecv(data, src, 0, tag, buf)
+        return self._engine.irecv(data, self._world[src], self._p2p_ctx, tag, buf)
 
     def send(self, buf: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         """Send `buf` to rank `dst` and wait until the buffer may be reused (see isend)."""
@@ -113,7 +137,7 @@ class Communicator:
     def transport(self, peer: int) -> str:
         """The name of the transport that carries messages to `peer` ("shm", "tcp", ...)."""
         self._check_peer(peer, "peer")
-        return self._engine.transport_of(peer)
+        return self._engine.transport_of(self._world[peer])
 
     def own_store(self, store: Any) -> None:
         """Close `store` with this communicator (init() opened it for this communicator)."""
@@ -121,18 +145,22 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
-        """Whether close() has been called."""
-        return self._closed
+        """Whether close() (of this communicator, or of the world it came from) has been called."""
+        return self._closed or self._engine.closed
 
     def close(self) -> None:
         """Release channels, shared memory and sockets; pending operations fail.
 
-        Not collective: each rank closes its own side. Idempotent.
+        Not collective: each rank closes its own side. Idempotent. Closing a
+        sub-communicator (from split, group or dup) only marks it closed:
+        its channels belong to the world it came from.
         """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        if self._parent is not None:
+            return
         self._engine.close()
         for transport in self._transports:
             transport.close()
@@ -166,7 +194,7 @@ class Communicator:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<tcoll.Communicator rank {self.rank} of {self.size}{' (closed)' if self._closed else ''}>"
+        return f"<tcoll.Communicator rank {self.rank} of {self.size}{' (closed)' if self.closed else ''}>"
 
     # -- argument checks -----------------------------------------------------------
 

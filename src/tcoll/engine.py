@@ -62,6 +62,7 @@ class Engine:
         self.closed = False
         self.in_progress = 0  # depth of _progress calls; callbacks wait until it is 0
         self.deferred: list[Work] = []  # works whose callbacks are due
+        self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
 
     # -- setup ---------------------------------------------------------------
 

@@ -17,6 +17,7 @@ __all__ = ["Settings", "parse_size", "TRANSPORT_CHOICES"]
 TRANSPORT_CHOICES = ("auto", "shm", "tcp")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
+_SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -57,6 +58,10 @@ class Settings:
         liveness_interval: seconds between checks that blocked-on peers still live (TCOLL_LIVENESS).
         tcp_addr: address to advertise for TCP connections; empty: found from the route
             to the master (TCOLL_TCP_ADDR).
+        algorithms: forced algorithm choices for algorithm="auto", e.g.
+            "all_reduce=ring,broadcast=chain" (TCOLL_ALGO).
+        coll_chunk: bytes per message of the pipelined collective algorithms (ring,
+            chain); small values exercise the multi-chunk paths (TCOLL_COLL_CHUNK).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
     """
@@ -70,6 +75,8 @@ class Settings:
     liveness_interval: float = 1.0
     tcp_addr: str = ""
     auth_key: str = ""
+    coll_chunk: int = 1 << 20
+    algorithms: str = ""
 
     _ENV = {
         "timeout": ("TCOLL_TIMEOUT", float),
@@ -81,6 +88,8 @@ class Settings:
         "liveness_interval": ("TCOLL_LIVENESS", float),
         "tcp_addr": ("TCOLL_TCP_ADDR", str),
         "auth_key": ("TCOLL_AUTH_KEY", str),
+        "coll_chunk": ("TCOLL_COLL_CHUNK", parse_size),
+        "algorithms": ("TCOLL_ALGO", str),
     }
 
     @classmethod
@@ -108,10 +117,24 @@ class Settings:
                     raise ValueError(f"{var}={raw!r}: {exc}") from None
         for field, value in overrides.items():
             if value is not None:
-                values[field] = parse_size(value) if field in ("shm_ring", "shm_chunk", "eager_limit") else value
+                values[field] = parse_size(value) if field in _SIZE_FIELDS else value
         settings = cls(**values)
         settings.validate()
         return settings
+
+    def forced_algorithms(self) -> dict[str, str]:
+        """{collective: algorithm} from `algorithms` ("all_reduce=ring,broadcast=chain").
+
+        Raises:
+            ValueError: an entry is not "collective=algorithm".
+        """
+        forced = {}
+        for entry in filter(None, (part.strip() for part in self.algorithms.split(","))):
+            collective, sep, name = entry.partition("=")
+            if not sep or not collective.strip() or not name.strip():
+                raise ValueError(f"TCOLL_ALGO entries look like all_reduce=ring, not {entry!r}")
+            forced[collective.strip()] = name.strip()
+        return forced
 
     def validate(self) -> None:
         """Check the values are usable.
@@ -127,5 +150,8 @@ class Settings:
             raise ValueError(f"shm_chunk must be at least 64 bytes, not {self.shm_chunk}")
         if self.shm_ring and self.shm_ring < 2 * self.shm_chunk:
             raise ValueError(f"shm_ring ({self.shm_ring}) must hold at least two chunks of {self.shm_chunk}")
+        self.forced_algorithms()  # raises on a malformed TCOLL_ALGO
+        if self.coll_chunk < 16:
+            raise ValueError(f"coll_chunk must be at least 16 bytes, not {self.coll_chunk}")
         if self.spin_us < 0 or self.liveness_interval <= 0:
             raise ValueError("spin_us must be >= 0 and liveness_interval > 0")

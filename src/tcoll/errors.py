@@ -69,6 +69,10 @@ class MessageSizeError(TcollError, ValueError):
     """A message is larger than the buffer posted to receive it."""
 
 
+class MismatchError(TcollError):
+    """Ranks made different calls: a collective's sizes, or its kind, disagree between ranks."""
+
+
 class TransportError(TcollError):
     """A transport failed to connect or to move data (not a lost peer)."""
 

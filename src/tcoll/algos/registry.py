@@ -1,0 +1,117 @@
+"""The registry of collective algorithms, and the contract each collective's algorithms follow.
+
+An algorithm is registered with `@algorithm(collective, name, cost=...)` and
+is a generator function (see `tcoll.schedule`). Buffers are flat, contiguous,
+typed NumPy arrays; `counts[r]` is the number of elements of rank r's block
+and blocks lie end to end in rank order (`topology.displacements`). The
+signature per collective:
+
+    all_reduce(team, buf, op)                    buf reduced in place on every rank
+    reduce(team, buf, op, root)                  result in buf on root; others' buf unchanged
+    broadcast(team, buf, root)                   root's buf copied into everyone's
+    all_gather(team, out, counts)                own block of out already filled; fill the rest
+    gather(team, send, out, counts, root)        out is None except on root, whose own block is filled
+    scatter(team, send, out, counts, root)       send is None except on root; root's out is filled
+    reduce_scatter(team, send, out, counts, op)  send is read-only; out gets this rank's reduced block
+    all_to_all(team, send, out, send_counts, recv_counts)  own block already copied
+    barrier(team)
+
+Algorithms with `ordered=False` combine operands out of rank order and run
+only commutative ops; `uneven=False` ones need equal counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["AlgorithmInfo", "Costs", "algorithm", "REGISTRY", "COLLECTIVES", "lookup", "names"]
+
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
+               "reduce_scatter", "all_to_all", "barrier")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The alpha-beta-gamma model of a link: time = alpha + bytes*beta (+ bytes*gamma to reduce).
+
+    Attributes:
+        alpha: seconds per message (latency, including Python overhead).
+        beta: seconds per byte moved.
+        gamma: seconds per byte reduced.
+    """
+
+    alpha: float
+    beta: float
+    gamma: float
+
+
+CostFn = Callable[[Costs, int, int], float]  # (costs, nbytes, size) -> seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmInfo:
+    """One registered algorithm.
+
+    Attributes:
+        collective: which collective it implements.
+        name: the name `algorithm=` accepts.
+        run: the generator function.
+        cost: its modelled time, cost(costs, nbytes, size), nbytes being the
+            size of one rank's input (the whole vector for all_reduce).
+        ordered: safe for non-commutative ops (combines operands in rank order).
+        uneven: works when ranks' counts differ.
+        summary: one line for `tcoll.explain` and the docs.
+    """
+
+    collective: str
+    name: str
+    run: Callable[..., Any]
+    cost: CostFn
+    ordered: bool
+    uneven: bool
+    summary: str
+
+
+REGISTRY: dict[str, dict[str, AlgorithmInfo]] = {name: {} for name in COLLECTIVES}
+
+
+def algorithm(collective: str, name: str, *, cost: CostFn, ordered: bool = True,
+              uneven: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register the decorated generator function as `name` for `collective`."""
+    if collective not in REGISTRY:
+        raise ValueError(f"unknown collective {collective!r}")
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name in REGISTRY[collective]:
+            raise ValueError(f"{collective} algorithm {name!r} registered twice")
+        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else name
+        REGISTRY[collective][name] = AlgorithmInfo(collective, name, fn, cost, ordered, uneven, summary)
+        return fn
+
+    return register
+
+
+def names(collective: str) -> list[str]:
+    """The algorithm names of `collective`, in registration order.
+
+    Raises:
+        ValueError: an unknown collective.
+    """
+    if collective not in REGISTRY:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    return list(REGISTRY[collective])
+
+
+def lookup(collective: str, name: str) -> AlgorithmInfo:
+    """The algorithm `name` of `collective`.
+
+    Raises:
+        ValueError: no such algorithm (the message lists the valid names).
+    """
+    found = REGISTRY[collective].get(name)
+    if found is None:
+        raise ValueError(f"unknown {collective} algorithm {name!r}; "
+                         f"choose 'auto' or one of {', '.join(names(collective))}")
+    return found

@@ -1,0 +1,281 @@
+"""The reducing collectives of a Communicator, and how every collective runs.
+
+all_reduce, reduce, reduce_scatter, broadcast and barrier live here, with
+the machinery the others share (`tcoll.movement`, `tcoll.vcollectives`,
+`tcoll.objects`).
+
+Every method checks its arguments before anything is sent (a bad argument
+is a ValueError or TypeError on the rank that made it), then runs the chosen
+algorithm (see `tcoll.algos`) as a `CollectiveWork`. With
+`async_op=True` the Work is returned; otherwise it is waited for and its
+result returned.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import select
+from .algos.registry import AlgorithmInfo, lookup
+from .buffers import as_array, empty_like_kind
+from .ops import Op, as_op
+from .schedule import Algorithm, CollectiveWork, Team
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["CollectiveMethods"]
+
+
+class CollectiveMethods:
+    """Mixed into Communicator: the collectives on arrays and tensors."""
+
+    rank: int
+    size: int
+    timeout: float
+    _engine: Engine
+    _world: list[int]
+    _coll_ctx: int
+    _sequence: int
+    _forced: dict[str, str]  # TCOLL_ALGO: {collective: algorithm} used for "auto"
+
+    # -- running ----------------------------------------------------------------
+
+    def _team(self) -> Team:
+        """A Team for the next collective call: every rank numbers its calls alike."""
+        self._check_open()
+        self._sequence += 1
+        return Team(self._engine, self._world, self.rank, self._coll_ctx, self._sequence,
+                    self._engine.settings.coll_chunk)
+
+    def _choose(self, collective: str, algorithm: str, nbytes: int, op: Op | None = None,
+                uneven: bool = False) -> AlgorithmInfo:
+        """The algorithm to run: the one asked for (checked), or the cost model's choice."""
+        ordered = op is not None and not op.commutative
+        if algorithm == "auto":
+            algorithm = self._forced.get(collective, "auto")
+        if algorithm == "auto":
+            return select.choose(collective, nbytes, self.size, self._costs(), ordered=ordered, uneven=uneven)
+        if not isinstance(algorithm, str):
+            raise TypeError(f"algorithm must be a name, not {type(algorithm).__name__}")
+        info = lookup(collective, algorithm)
+        if ordered and not info.ordered:
+            raise ValueError(f"{collective} algorithm {algorithm!r} reorders operands; op {op.name!r} is not "
+                             "commutative (choose one of "
+                             f"{', '.join(i.name for i in select.eligible(collective, ordered=True))})")
+        if uneven and not info.uneven:
+            raise ValueError(f"{collective} algorithm {algorithm!r} needs equal counts on every rank")
+        return info
+
+    def _costs(self) -> select.Costs:
+        """The cost model of this communicator's slowest kind of link."""
+        kinds = {self._engine.transport_of(peer) for peer in self._world if peer != self._engine.rank}
+        for kind in ("tcp", "shm", "loopback"):
+            if kind in kinds:
+                return select.COSTS[kind]
+        return select.COSTS["shm"]
+
+    def _run(self, team: Team, collective: str, info: AlgorithmInfo | str, body: Algorithm, nbytes: int,
+             async_op: bool) -> Any:
+        """Start `body` as a CollectiveWork; wait for it unless async_op.
+
+        Args:
+            info: the algorithm (or its name, when chosen inside `body`), for messages.
+        """
+        name = info if isinstance(info, str) else info.name
+        description = f"{collective} #{team.sequence} ({name}, {nbytes} B per rank)"
+        work = CollectiveWork(self._engine, body, description, self._world).start()
+        if async_op:
+            return work
+        try:
+            return work.wait()
+        except BaseException as exc:
+            work.abort(exc)  # a timeout or interrupt: withdraw what is still posted
+            raise
+
+    def _call_algorithm(self, collective: str, name: str, *args: Any, async_op: bool = False) -> Any:
+        """Run one registered algorithm directly on prepared flat buffers (for tests and benchmarks).
+
+        Args:
+            collective: e.g. "all_gather".
+            name: the algorithm's name.
+            *args: the algorithm's arguments after the team (see tcoll.algos.registry).
+            async_op: return the Work instead of waiting.
+        """
+        info = lookup(collective, name)
+        team = self._team()
+        return self._run(team, collective, info, info.run(team, *args), 0, async_op)
+
+    # -- the collectives --------------------------------------------------------
+
+    def all_reduce(self, x: Any, op: str | Op = "sum", *, algorithm: str = "auto", async_op: bool = False) -> Any:
+        """Reduce `x` over all ranks, in place on every rank.
+
+        Args:
+            x: a contiguous NumPy array or PyTorch CPU tensor (same shape and dtype on every rank).
+            op: "sum", "prod", "min", "max", "avg", "band", "bor", "bxor", "land",
+                "lor", "lxor", "maxloc", "minloc", or a tcoll.Op.
+            algorithm: "auto", or one of tcoll.algorithms("all_reduce").
+            async_op: return a Work instead of waiting.
+
+        Returns:
+            x (or a Work whose result() is x).
+
+        Raises:
+            TypeError: the op does not apply to the dtype; x is not a buffer.
+            ValueError: x is not contiguous or is read-only; unknown algorithm.
+        """
+        flat, op = self._reduce_input(x, op, "all_reduce")
+        info = self._choose("all_reduce", algorithm, flat.nbytes, op)
+        team = self._team()
+
+        def body() -> Algorithm:
+            yield from info.run(team, flat, op)
+            op.finish(flat, team.size)
+            return x
+
+        return self._run(team, "all_reduce", info, body(), flat.nbytes, async_op)
+
+    def reduce(self, x: Any, root: int = 0, op: str | Op = "sum", *, algorithm: str = "auto",
+               async_op: bool = False) -> Any:
+        """Reduce `x` over all ranks into `x` on `root`; x on the other ranks is left as it was.
+
+        Args:
+            x: a contiguous NumPy array or PyTorch CPU tensor.
+            root: the rank that gets the result.
+            op: a reduce op name or tcoll.Op (see all_reduce).
+            algorithm: "auto", or one of tcoll.algorithms("reduce").
+            async_op: return a Work instead of waiting.
+
+        Returns:
+            x (or a Work whose result() is x).
+
+        Raises:
+            TypeError, ValueError: as all_reduce; root out of range.
+        """
+        self._check_root(root)
+        arr, op = self._reduce_input(x, op, "reduce", writable=self.rank == root)
+        flat = arr.reshape(-1)
+        info = self._choose("reduce", algorithm, flat.nbytes, op)
+        team = self._team()
+
+        def body() -> Algorithm:
+            yield from info.run(team, flat, op, root)
+            if team.rank == root:
+                op.finish(flat, team.size)
+            return x
+
+        return self._run(team, "reduce", info, body(), flat.nbytes, async_op)
+
+    def broadcast(self, x: Any, root: int = 0, *, algorithm: str = "auto", async_op: bool = False) -> Any:
+        """Copy `x` of `root` into `x` of every rank.
+
+        Args:
+            x: a contiguous NumPy array or PyTorch CPU tensor (writable except on root).
+            root: the rank whose data is sent.
+            algorithm: "auto", or one of tcoll.algorithms("broadcast").
+            async_op: return a Work instead of waiting.
+
+        Returns:
+            x (or a Work whose result() is x).
+
+        Raises:
+            ValueError: root out of range; x not contiguous, or read-only off the root.
+            TypeError: x is not a buffer.
+        """
+        self._check_root(root)
+        flat = as_array(x, writable=self.rank != root, what="broadcast buffer").reshape(-1)
+        info = self._choose("broadcast", algorithm, flat.nbytes)
+        team = self._team()
+
+        def body() -> Algorithm:
+            yield from info.run(team, flat, root)
+            return x
+
+        return self._run(team, "broadcast", info, body(), flat.nbytes, async_op)
+
+    def reduce_scatter(self, x: Any, op: str | Op = "sum", out: Any = None, *, algorithm: str = "auto",
+                       async_op: bool = False) -> Any:
+        """Reduce `x` over all ranks and give rank r the r-th of `size` equal parts (along axis 0).
+
+        Args:
+            x: a contiguous array whose first dimension divides by size (left unchanged).
+            op: a reduce op name or tcoll.Op (see all_reduce).
+            out: where to write this rank's part, shape (x.shape[0] // size, *x.shape[1:]).
+            algorithm: "auto", or one of tcoll.algorithms("reduce_scatter").
+            async_op: return a Work instead of waiting.
+
+        Returns:
+            This rank's reduced part.
+
+        Raises:
+            ValueError: x.shape[0] does not divide by size; out has the wrong shape or dtype.
+            TypeError: the op does not apply to the dtype.
+        """
+        arr, op = self._reduce_input(x, op, "reduce_scatter", writable=False)
+        if arr.ndim == 0 or arr.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter splits x along axis 0 into {self.size} equal parts; "
+                             f"x has shape {arr.shape} (use reduce_scatterv for uneven parts)")
+        part_shape = (arr.shape[0] // self.size, *arr.shape[1:])
+        user_out, out_flat = self._output(x, arr, out, part_shape, "reduce_scatter")
+        counts = [out_flat.size] * self.size
+        return self._reduce_scatter_run(arr.reshape(-1), out_flat, user_out, counts, op, algorithm, async_op)
+
+    def _reduce_scatter_run(self, send: np.ndarray, out_flat: np.ndarray, user_out: Any, counts: list[int],
+                            op: Op, algorithm: str, async_op: bool) -> Any:
+        uneven = len(set(counts)) > 1
+        info = self._choose("reduce_scatter", algorithm, send.nbytes, op, uneven=uneven)
+        team = self._team()
+
+        def body() -> Algorithm:
+            yield from info.run(team, send, out_flat, counts, op)
+            op.finish(out_flat, team.size)
+            return user_out
+
+        return self._run(team, "reduce_scatter", info, body(), send.nbytes, async_op)
+
+    def barrier(self, *, algorithm: str = "auto", async_op: bool = False) -> Any:
+        """Return once every rank has called barrier().
+
+        Args:
+            algorithm: "auto", or one of tcoll.algorithms("barrier").
+            async_op: return a Work instead of waiting.
+        """
+        info = self._choose("barrier", algorithm, 0)
+        team = self._team()
+
+        def body() -> Algorithm:
+            yield from info.run(team)
+
+        return self._run(team, "barrier", info, body(), 0, async_op)
+
+    # -- argument helpers -------------------------------------------------------
+
+    def _check_root(self, root: Any) -> None:
+        if type(root) is not int or not 0 <= root < self.size:
+            if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < self.size:
+                raise ValueError(f"root={root!r} is not a rank of this communicator (0 <= root < {self.size})")
+
+    def _reduce_input(self, x: Any, op: str | Op, what: str, writable: bool = True) -> tuple[np.ndarray, Op]:
+        """A reduction's buffer as a typed view, and its op checked against the dtype.
+
+        Returns:
+            (flat view if `writable`, else the view in its own shape; the resolved op).
+        """
+        arr = as_array(x, writable=writable, what=f"{what} buffer")
+        resolved = as_op(op)
+        resolved.check(arr.dtype)
+        return (arr.reshape(-1) if writable else arr), resolved
+
+    def _output(self, like: Any, arr: np.ndarray, out: Any, shape: tuple[int, ...], what: str) -> tuple[Any, np.ndarray]:
+        """The user's output (checked) or a new one like the input; returns (object, flat view)."""
+        if out is None:
+            user_out, view = empty_like_kind(like, shape, arr.dtype)
+            return user_out, view.reshape(-1)
+        view = as_array(out, writable=True, what=f"{what} out")
+        if view.shape != shape or view.dtype != arr.dtype:
+            raise ValueError(f"{what} out must have shape {shape} and dtype {arr.dtype}; "
+                             f"got {view.shape} {view.dtype}")
+        return out, view.reshape(-1)

@@ -1,0 +1,77 @@
+"""Describing an array in a few bytes, for calls where some ranks must learn a shape and dtype.
+
+scatter, the uneven (v) collectives and the object collectives tell the
+receiving ranks what will arrive. A description is a fixed-size byte
+buffer, so it can travel through any collective algorithm; it holds text
+"kind;dtype;shape" (kind is "numpy" or "torch"), never a pickle.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .buffers import as_array, empty_like_kind, is_torch
+
+__all__ = ["META_BYTES", "encode", "decode", "allocate", "dtype_name", "dtype_from_name"]
+
+META_BYTES = 256
+_EXTRA = {"bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """A name from which `dtype_from_name` rebuilds `dtype`, byte order and structured dtypes included."""
+    if dtype.names is not None:
+        return repr(dtype.descr)
+    if dtype in _EXTRA.values():
+        return dtype.name
+    return dtype.str  # "<f4", ">i4", "|b1": keeps the byte order that .name drops
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """The dtype that `dtype_name` named."""
+    if name in _EXTRA:
+        return _EXTRA[name]
+    if name.startswith("["):
+        return np.dtype(ast.literal_eval(name))
+    return np.dtype(name)
+
+
+def encode(obj: Any) -> np.ndarray:
+    """Describe the array or tensor `obj` in META_BYTES bytes.
+
+    Raises:
+        ValueError: the description does not fit (a structured dtype with very many fields).
+    """
+    arr = as_array(obj, writable=False, what="array")
+    text = f"{'torch' if is_torch(obj) else 'numpy'};{dtype_name(arr.dtype)};{','.join(map(str, arr.shape))}"
+    raw = text.encode()
+    if len(raw) > META_BYTES:
+        raise ValueError(f"cannot describe dtype {arr.dtype} in {META_BYTES} bytes")
+    out = np.zeros(META_BYTES, dtype=np.uint8)
+    out[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return out
+
+
+def decode(described: np.ndarray) -> tuple[str, np.dtype, tuple[int, ...]]:
+    """Read what `encode` wrote: (kind, dtype, shape)."""
+    text = described.tobytes().rstrip(b"\0").decode()
+    kind, name, shape_text = text.split(";")
+    shape = tuple(int(n) for n in shape_text.split(",")) if shape_text else ()
+    return kind, dtype_from_name(name), shape
+
+
+def allocate(kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+    """A new array (or torch tensor, for kind "torch") of this dtype and shape, and its ndarray view."""
+    if kind == "torch":
+        import torch
+
+        torch_dtype = {np.dtype(ml_dtypes.bfloat16): torch.bfloat16}.get(dtype)
+        if torch_dtype is None:
+            torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        return empty_like_kind(torch.empty(0, dtype=torch_dtype), shape, dtype)
+    out = np.empty(shape, dtype=dtype)
+    return out, out

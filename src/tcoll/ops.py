@@ -1,0 +1,174 @@
+"""Reduce operations: what `op=` accepts, checked against dtypes, applied in place.
+
+An `Op` combines two same-shaped arrays elementwise: `combine(lower, higher,
+out)` writes op(lower, higher) into `out`, where `lower` holds the
+contribution of the lower ranks. Built-in ops are NumPy ufuncs called with
+`out=`, so no temporary is made; no communication happens here.
+
+maxloc and minloc work on (value, index) pairs stored as a NumPy structured
+array with the fields "value" and "index" (see `loc_pairs`); the lower index
+wins a tie, as in MPI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "Op", "as_op", "loc_pairs", "OPS",
+    "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC",
+]
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def dtype_kind(dtype: np.dtype) -> str:
+    """Classify a dtype: "bool", "int", "float", "complex", "loc" (maxloc pairs) or "other"."""
+    if dtype.names == ("value", "index"):
+        return "loc"
+    if dtype == _BFLOAT16:
+        return "float"
+    return {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}.get(dtype.kind, "other")
+
+
+class Op:
+    """A reduce operation.
+
+    Args:
+        fn: `fn(a, b)` returns the elementwise combination of `a` (from lower
+            ranks) with `b` (from higher ranks); it must be associative. A
+            NumPy ufunc is called with `out=` (no temporary).
+        commutative: whether fn(a, b) == fn(b, a). A non-commutative op is
+            applied in rank order; only algorithms that keep that order run it.
+        name: how the op is shown in messages and tables.
+    """
+
+    __slots__ = ("fn", "commutative", "name", "_kinds", "_ufunc")
+
+    def __init__(self, fn: Callable[[Any, Any], Any], commutative: bool = True, name: str | None = None,
+                 kinds: frozenset[str] | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"Op needs a callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.commutative = bool(commutative)
+        self.name = name or getattr(fn, "__name__", "user op")
+        self._kinds = kinds  # None: a user op, any dtype
+        self._ufunc = fn if isinstance(fn, np.ufunc) else None
+
+    def check(self, dtype: np.dtype) -> None:
+        """Raise TypeError if this op cannot reduce `dtype` (before anything is sent).
+
+        A user op accepts every dtype, structured ones included: its function decides.
+        """
+        kind = dtype_kind(dtype)
+        if self._kinds is not None and kind not in self._kinds:
+            raise TypeError(f"reduce op {self.name!r} does not apply to dtype {dtype} "
+                            f"(it takes {', '.join(sorted(self._kinds))} data)")
+
+    def combine(self, lower: np.ndarray, higher: np.ndarray, out: np.ndarray) -> None:
+        """Write op(lower, higher) into `out` (which may be `lower` or `higher`)."""
+        if self._ufunc is not None:
+            self._ufunc(lower, higher, out=out)
+        else:
+            result = self.fn(lower, higher)
+            if result is not out:
+                out[...] = result
+
+    def finish(self, result: np.ndarray, size: int) -> None:
+        """Final touch on a complete reduction of `size` contributions (avg divides)."""
+
+    def __repr__(self) -> str:
+        return f"<tcoll.Op {self.name}{'' if self.commutative else ' (non-commutative)'}>"
+
+
+class _Average(Op):
+    """The mean over ranks: a sum, divided by the number of ranks at the end."""
+
+    __slots__ = ()
+
+    def finish(self, result: np.ndarray, size: int) -> None:
+        if size > 1:
+            np.true_divide(result, result.dtype.type(size), out=result)
+
+
+class _Logical(Op):
+    """A logical op: the result is 1 or 0 (True or False) even when no two operands met (one rank)."""
+
+    __slots__ = ()
+
+    def finish(self, result: np.ndarray, size: int) -> None:
+        np.not_equal(result, 0, out=result, casting="unsafe")
+
+
+def _loc(better: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """Build maxloc/minloc: keep the better value; on a tie, the lower index (MPI's rule)."""
+
+    def pick(lower: np.ndarray, higher: np.ndarray) -> np.ndarray:
+        lv, hv = lower["value"], higher["value"]
+        take = better(hv, lv) | ((hv == lv) & (higher["index"] < lower["index"]))
+        return np.where(take, higher, lower)
+
+    return pick
+
+
+_NUM = frozenset({"bool", "int", "float", "complex"})
+_ORDERED = frozenset({"bool", "int", "float"})
+_BITS = frozenset({"bool", "int"})
+_LOC = frozenset({"loc"})
+
+SUM = Op(np.add, True, "sum", _NUM)
+PROD = Op(np.multiply, True, "prod", _NUM)
+MIN = Op(np.minimum, True, "min", _ORDERED)
+MAX = Op(np.maximum, True, "max", _ORDERED)
+AVG = _Average(np.add, True, "avg", frozenset({"float", "complex"}))
+BAND = Op(np.bitwise_and, True, "band", _BITS)
+BOR = Op(np.bitwise_or, True, "bor", _BITS)
+BXOR = Op(np.bitwise_xor, True, "bxor", _BITS)
+LAND = _Logical(np.logical_and, True, "land", _ORDERED)
+LOR = _Logical(np.logical_or, True, "lor", _ORDERED)
+LXOR = _Logical(np.logical_xor, True, "lxor", _ORDERED)
+MAXLOC = Op(_loc(np.greater), True, "maxloc", _LOC)
+MINLOC = Op(_loc(np.less), True, "minloc", _LOC)
+
+OPS: dict[str, Op] = {op.name: op for op in (SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR, LAND, LOR, LXOR,
+                                             MAXLOC, MINLOC)}
+
+
+def as_op(op: str | Op) -> Op:
+    """Resolve `op=` (a name such as "sum", or an Op) to an Op.
+
+    Raises:
+        ValueError: an unknown name.
+        TypeError: neither a name nor an Op.
+    """
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str):
+        found = OPS.get(op.lower())
+        if found is None:
+            raise ValueError(f"unknown reduce op {op!r}; choose one of {', '.join(OPS)} or pass tcoll.Op(fn)")
+        return found
+    raise TypeError(f"op must be a name such as 'sum' or a tcoll.Op, not {type(op).__name__}")
+
+
+def loc_pairs(values: Any, indices: Any) -> np.ndarray:
+    """Pack values and indices into the (value, index) array that maxloc/minloc reduce.
+
+    Args:
+        values: the numbers to compare (any real dtype).
+        indices: the index carried with each value (converted to int64).
+
+    Returns:
+        A structured array with fields "value" and "index", of the broadcast shape.
+    """
+    values = np.asarray(values)
+    indices = np.asarray(indices, dtype=np.int64)
+    shape = np.broadcast_shapes(values.shape, indices.shape)
+    pairs = np.empty(shape, dtype=[("value", values.dtype), ("index", np.int64)])
+    pairs["value"] = values
+    pairs["index"] = indices
+    return pairs

@@ -1,0 +1,179 @@
+"""Running collective algorithms: the Team they talk through and the Work that drives them.
+
+An algorithm is a generator over point-to-point requests. It posts sends and
+receives through its `Team`, then `yield`s them (a Work, or a list of Works)
+to wait until all are complete, and finally returns its result:
+
+    def swap(team, buf, tmp):
+        yield [team.send(buf, peer), team.recv(tmp, peer)]
+        return tmp
+
+`CollectiveWork` steps the generator: each time what it yielded completes
+(from the completion callbacks that progress runs, on whichever thread makes
+progress), it resumes it. Several collectives can therefore be in flight on
+one communicator, and on its sub-communicators, without threads: whoever
+waits moves all of them along.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+
+from .engine import Engine
+from .errors import MismatchError
+from .work import RecvWork, Work
+
+__all__ = ["Team", "CollectiveWork", "Algorithm", "SUBTAGS"]
+
+Algorithm = Generator[Any, None, Any]
+SUBTAGS = 64  # message streams per collective call: tag = sequence * SUBTAGS + phase * 8 + sub
+_PHASES = 8
+
+
+class Team:
+    """What an algorithm sees of its communicator during one collective call.
+
+    Ranks are the communicator's ranks (0 <= rank < size); every message of
+    the call carries the call's own tag, so concurrent collectives never match
+    each other's messages.
+
+    Attributes:
+        rank: this rank in the communicator.
+        size: the number of ranks.
+        chunk_bytes: the message size pipelined algorithms cut their data into.
+    """
+
+    __slots__ = ("rank", "size", "chunk_bytes", "sequence", "_engine", "_world", "_ctx", "_tag")
+
+    def __init__(self, engine: Engine, world_ranks: list[int], rank: int, ctx: int, sequence: int,
+                 chunk_bytes: int) -> None:
+        self.rank = rank
+        self.size = len(world_ranks)
+        self.chunk_bytes = chunk_bytes
+        self._engine = engine
+        self._world = world_ranks
+        self._ctx = ctx
+        self.sequence = sequence
+        self._tag = sequence * SUBTAGS
+
+    def phase(self, index: int) -> Team:
+        """This Team with separate message streams, for phase `index` of a composite call.
+
+        Phases nest: phase k of a phase-j Team is phase j + k of the call.
+        Algorithms use streams (`sub`) 0-7 within a phase.
+
+        Raises:
+            ValueError: the call's 8 phases are used up.
+        """
+        offset = self._tag - self.sequence * SUBTAGS + index * 8
+        if index < 0 or offset >= SUBTAGS:
+            raise ValueError(f"phase {index} goes beyond the {_PHASES} phases of a collective call")
+        other = Team(self._engine, self._world, self.rank, self._ctx, self.sequence, self.chunk_bytes)
+        other._tag += offset
+        return other
+
+    def send(self, arr: np.ndarray, peer: int, sub: int = 0) -> Work:
+        """Start sending the contiguous array `arr` to team rank `peer` (stream `sub`, 0-7).
+
+        Messages to one peer on one stream arrive in the order they were sent.
+        """
+        return self._engine.isend(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr)
+
+    def recv(self, arr: np.ndarray, peer: int, sub: int = 0) -> Work:
+        """Start receiving exactly arr.nbytes bytes from team rank `peer` into `arr` (stream `sub`, 0-7)."""
+        return self._engine.irecv(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr)
+
+    def chunk_count(self, itemsize: int) -> int:
+        """Elements per pipelined message for items of `itemsize` bytes (at least 1)."""
+        return max(1, self.chunk_bytes // max(1, itemsize))
+
+
+def _raw(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a contiguous array (the engine moves bytes)."""
+    if arr.dtype == np.uint8 and arr.ndim == 1:
+        return arr
+    return arr.reshape(-1).view(np.uint8)
+
+
+class CollectiveWork(Work):
+    """The Work of one collective call: steps its algorithm as requests complete.
+
+    Args:
+        engine: the engine whose progress completes the requests.
+        algorithm: the generator to run (already created, not started).
+        description: names the call in errors, e.g. "all_reduce #7 (ring, 4096 B)".
+        world_ranks: maps the team's ranks to world ranks, for naming peers.
+    """
+
+    __slots__ = ("_algorithm", "_pending", "_stepping", "_world")
+
+    def __init__(self, engine: Engine, algorithm: Algorithm, description: str, world_ranks: list[int]) -> None:
+        super().__init__(engine, description)
+        self._algorithm = algorithm
+        self._pending: list[Work] = []
+        self._stepping = False
+        self._world = world_ranks
+
+    def start(self) -> CollectiveWork:
+        """Run the algorithm up to its first wait."""
+        self._step()
+        return self
+
+    def peers(self) -> list[int]:
+        """The world ranks that the requests still pending wait on."""
+        return sorted({peer for work in self._pending if not work._done for peer in work.peers()})
+
+    def _step(self, _completed: Work | None = None) -> None:
+        """Resume the algorithm while what it waits on is complete; never re-entered."""
+        if self._stepping or self._done:
+            return
+        engine = self._engine
+        assert engine is not None
+        with engine._lock:  # completions happen under this lock: no missed callback
+            self._stepping = True
+            try:
+                self._advance()
+            except BaseException as exc:  # noqa: BLE001 - the algorithm's failure is the call's failure
+                self.abort(exc)
+            finally:
+                self._stepping = False
+
+    def _advance(self) -> None:
+        while True:
+            for work in self._pending:
+                if not work._done:
+                    work.add_done_callback(self._step)
+                    return
+                if type(work) is RecvWork and work.nbytes != work.capacity and work.nbytes >= 0:
+                    raise MismatchError(
+                        f"{self._description}: rank {work.peer} sent {work.nbytes} bytes where "
+                        f"{work.capacity} were expected; do all ranks call it with the same sizes?"
+                    ) from work._error
+                if work._error is not None:
+                    raise work._error
+            try:
+                waited = self._algorithm.send(None)
+            except StopIteration as stop:
+                self._pending = []
+                self._finish(stop.value)
+                return
+            self._pending = [waited] if isinstance(waited, Work) else list(waited)
+
+    def abort(self, error: BaseException) -> None:
+        """Fail the call: withdraw its receives not yet matched and stop the algorithm."""
+        if self._done:
+            return
+        engine = self._engine
+        assert engine is not None
+        pending, self._pending = self._pending, []
+        self._fail(error)  # first, so that the cancellations below find the call over
+        for work in pending:
+            if type(work) is RecvWork and not work._done:
+                engine.cancel(work)
+        try:
+            self._algorithm.close()
+        except ValueError:  # aborted from within the algorithm's own step: it is ending anyway
+            pass

@@ -1,0 +1,84 @@
+"""Choosing an algorithm: a pure function of the call and an alpha-beta-gamma cost model.
+
+Each registered algorithm carries its cost formula (Thakur, Rabenseifner and
+Gropp, "Optimization of Collective Communication Operations in MPICH", 2005);
+`choose` evaluates them for the call's size and world and takes the cheapest
+algorithm that is eligible (rank order kept for a non-commutative op, uneven
+counts supported when the call has them). `explain` prints the reckoning.
+"""
+
+from __future__ import annotations
+
+from .algos.registry import REGISTRY, AlgorithmInfo, Costs
+
+__all__ = ["choose", "explain", "ranked", "COSTS"]
+
+# Per-message and per-byte costs of this implementation over each transport,
+# measured with `tcoll bench p2p` on a 2-core machine (docs/performance.md);
+# gamma is NumPy's in-place add over data fresh in cache.
+COSTS = {
+    "shm": Costs(alpha=12e-6, beta=1 / 8e9, gamma=1 / 6e9),
+    "tcp": Costs(alpha=40e-6, beta=1 / 4e9, gamma=1 / 6e9),
+    "loopback": Costs(alpha=8e-6, beta=1 / 8e9, gamma=1 / 6e9),
+}
+
+
+def eligible(collective: str, *, ordered: bool = False, uneven: bool = False) -> list[AlgorithmInfo]:
+    """The algorithms of `collective` that can run a call needing rank order / uneven counts."""
+    return [info for info in REGISTRY[collective].values()
+            if (info.ordered or not ordered) and (info.uneven or not uneven)]
+
+
+def ranked(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bool = False,
+           uneven: bool = False) -> list[tuple[float, AlgorithmInfo]]:
+    """Every eligible algorithm with its modelled time, cheapest first (ties: registration order)."""
+    candidates = eligible(collective, ordered=ordered, uneven=uneven)
+    timed = [(info.cost(costs, nbytes, size), index, info) for index, info in enumerate(candidates)]
+    return [(seconds, info) for seconds, _, info in sorted(timed, key=lambda item: item[:2])]
+
+
+def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bool = False,
+           uneven: bool = False) -> AlgorithmInfo:
+    """The cheapest eligible algorithm for this call.
+
+    Args:
+        collective: e.g. "all_reduce".
+        nbytes: bytes of one rank's input.
+        size: ranks in the communicator.
+        costs: the link model (see COSTS).
+        ordered: the reduce op is not commutative.
+        uneven: ranks' counts differ.
+
+    Raises:
+        ValueError: no algorithm is eligible.
+    """
+    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven)
+    if not options:
+        raise ValueError(f"no {collective} algorithm supports this call (ordered={ordered}, uneven={uneven})")
+    return options[0][1]
+
+
+def explain(collective: str, nbytes: int, size: int, transport: str = "shm", *, ordered: bool = False,
+            uneven: bool = False) -> str:
+    """A table of the modelled time of each eligible algorithm, and the choice.
+
+    Args:
+        collective: e.g. "all_reduce".
+        nbytes: bytes of one rank's input.
+        size: ranks in the communicator.
+        transport: whose costs to use: "shm", "tcp" or "loopback".
+        ordered: the reduce op is not commutative.
+        uneven: ranks' counts differ.
+
+    Returns:
+        Text, one line per algorithm, the chosen one marked with "*".
+    """
+    costs = COSTS[transport]
+    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven)
+    lines = [f"{collective}, {nbytes} B per rank, {size} ranks over {transport} "
+             f"(alpha {costs.alpha * 1e6:g} us, beta {1 / costs.beta / 1e9:g} GB/s, "
+             f"gamma {1 / costs.gamma / 1e9:g} GB/s):"]
+    for index, (seconds, info) in enumerate(options):
+        mark = "*" if index == 0 else " "
+        lines.append(f" {mark} {info.name:<22} {seconds * 1e6:12.1f} us  {info.summary}")
+    return "\n".join(lines)
