@@ -22,7 +22,7 @@ from .errors import (
 )
 from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
 from .select import explain
-from .shortcuts import SHORTCUTS, algorithms, make_shortcuts
+from .shortcuts import algorithms, make_shortcuts
 from .spawn import spawn
 from .work import Work
 from .world import default_communicator, init

@@ -36,15 +36,7 @@ def as_bytes(obj: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
         arr = obj
     else:
         arr = _to_ndarray(obj, what)
-    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
-        raise ValueError(
-            f"{what} must be contiguous (got strides {arr.strides} for shape {arr.shape}); "
-            "pass np.ascontiguousarray(x) or x.contiguous()"
-        )
-    if writable and not arr.flags.writeable:
-        raise ValueError(f"{what} is read-only and cannot receive data")
-    if arr.dtype.hasobject:
-        raise TypeError(f"{what} has dtype object; use the *_object functions for Python objects")
+    _check_usable(arr, writable, what, fortran_ok=True)
     if arr.dtype == _U8 and arr.ndim == 1:
         return arr
     # reshape(-1) on a contiguous array is a view; order="A" keeps Fortran
@@ -130,16 +122,22 @@ def as_array(obj: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
         arr = np.asarray(obj)
     else:
         arr = _to_ndarray(obj, what)
-    if not arr.flags.c_contiguous:
+    _check_usable(arr, writable, what, fortran_ok=False)
+    return arr
+
+
+def _check_usable(arr: np.ndarray, writable: bool, what: str, fortran_ok: bool) -> None:
+    """Raise unless `arr` is contiguous (C order, or either order if `fortran_ok`), writable if asked, not object."""
+    if not (arr.flags.c_contiguous or (fortran_ok and arr.flags.f_contiguous)):
+        order = "" if fortran_ok else "C-"
         raise ValueError(
-            f"{what} must be C-contiguous (got strides {arr.strides} for shape {arr.shape}); "
+            f"{what} must be {order}contiguous (got strides {arr.strides} for shape {arr.shape}); "
             "pass np.ascontiguousarray(x) or x.contiguous()"
         )
     if writable and not arr.flags.writeable:
         raise ValueError(f"{what} is read-only and cannot receive data")
     if arr.dtype.hasobject:
         raise TypeError(f"{what} has dtype object; use the *_object functions for Python objects")
-    return arr
 
 
 def _torch_typed(tensor: Any, what: str) -> np.ndarray:

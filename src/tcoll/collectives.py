@@ -85,7 +85,10 @@ class CollectiveMethods:
             info: the algorithm (or its name, when chosen inside `body`), for messages.
         """
         name = info if isinstance(info, str) else info.name
-        description = f"{collective} #{team.sequence} ({name}, {nbytes} B per rank)"
+        return self._start(f"{collective} #{team.sequence} ({name}, {nbytes} B per rank)", body, async_op)
+
+    def _start(self, description: str, body: Algorithm, async_op: bool) -> Any:
+        """Start `body` as a CollectiveWork named `description`; wait for it unless async_op."""
         work = CollectiveWork(self._engine, body, description, self._world).start()
         if async_op:
             return work

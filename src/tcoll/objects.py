@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from .errors import MismatchError, TcollError
-from .schedule import Algorithm, CollectiveWork, Team
+from .schedule import Algorithm, Team
 from .work import RecvWork, Work
 
 if TYPE_CHECKING:
@@ -171,14 +171,7 @@ class ObjectMethods(_Base):
 
     def _run_objects(self, team: Team, what: str, body: Algorithm, async_op: bool) -> Any:
         """Start `body` as a CollectiveWork; wait for it unless async_op."""
-        work = CollectiveWork(self._engine, body, f"{what} #{team.sequence}", self._world).start()
-        if async_op:
-            return work
-        try:
-            return work.wait()
-        except BaseException as exc:
-            work.abort(exc)  # a timeout or interrupt: withdraw what is still posted
-            raise
+        return self._start(f"{what} #{team.sequence}", body, async_op)
 
     def broadcast_object(self, obj: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Send the object `obj` of `root` to every rank.
