@@ -492,3 +492,13 @@ def test_nothing_left_in_dev_shm() -> None:
         pytest.skip("no run of this module recorded its run id (run the whole module)")
     leftovers = {run_id: shm_segments(run_id) for run_id in _run_ids}
     assert not any(leftovers.values()), leftovers
+
+
+def test_errors_survive_pickling_with_their_fields() -> None:
+    """tcoll.spawn sends a rank's exception to the parent: the copy must say the same thing."""
+    import pickle
+
+    for error in (tcoll.PeerLostError(3, "it closed its communicator"), tcoll.TimeoutError("late", [1, 2]),
+                  tcoll.RendezvousError("no", [4], "host:1"), tcoll.SpawnError(2, "boom", "trace")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error) and copy.__dict__ == error.__dict__

@@ -39,6 +39,9 @@ class RendezvousError(TcollError):
         self.missing = sorted(missing)
         self.address = address
 
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.missing, self.address)
+
 
 class TimeoutError(TcollError, builtins.TimeoutError):
     """An operation did not complete within its timeout.
@@ -50,6 +53,9 @@ class TimeoutError(TcollError, builtins.TimeoutError):
     def __init__(self, message: str, peers: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.peers = sorted(set(peers))
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.peers)
 
 
 class PeerLostError(TcollError, ConnectionError):
@@ -63,6 +69,10 @@ class PeerLostError(TcollError, ConnectionError):
         text = f"peer rank {rank} is lost"
         super().__init__(f"{text}: {detail}" if detail else text)
         self.rank = rank
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:  # pickled across processes (tcoll.spawn) with its fields, not its text
+        return type(self), (self.rank, self.detail)
 
 
 class MessageSizeError(TcollError, ValueError):
@@ -88,4 +98,8 @@ class SpawnError(TcollError):
     def __init__(self, rank: int, message: str, remote_traceback: str = "") -> None:
         super().__init__(f"rank {rank} failed: {message}")
         self.rank = rank
+        self.message = message
         self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.rank, self.message, self.remote_traceback)
