@@ -3,6 +3,8 @@ outputs, module-level functions, and bad arguments rejected before anything is s
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -257,3 +259,65 @@ def test_tcoll_algo_forces_the_auto_choice() -> None:
         assert "(naive," in first and "(chain," in second and "(ring," in third
     with pytest.raises(ValueError, match="TCOLL_ALGO"):
         tcoll.spawn(run_forced, 1, threads=True, timeout=50, algorithms="all_reduce")
+
+
+def run_read_only_root(comm: tcoll.Communicator) -> None:
+    for algorithm in tcoll.algorithms("broadcast"):
+        x = np.arange(1000.0) if comm.rank == 0 else np.zeros(1000)
+        x.flags.writeable = comm.rank != 0  # the root only sends: its buffer may be read-only
+        comm.broadcast(x, 0, algorithm=algorithm)
+        np.testing.assert_array_equal(x, np.arange(1000.0))
+    assert comm.broadcast_object(list(range(100_000)) if comm.rank == 0 else None) == list(range(100_000))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_broadcast_from_a_read_only_root(size: int) -> None:
+    tcoll.spawn(run_read_only_root, size, threads=True, timeout=50, coll_chunk="256")
+
+
+def run_late_messages(comm: tcoll.Communicator, gave_up: threading.Barrier, finished: threading.Event) -> tuple:
+    """Ranks 1.. time out of an all_gather; rank 0 calls it only then: its messages must go nowhere."""
+    out = np.zeros((comm.size, 8), dtype=np.int64)
+    if comm.rank == 0:
+        gave_up.wait()
+        comm.timeout = 1.0
+        try:  # it may even complete, from what rank 2 forwarded before it gave up; or time out
+            comm.all_gather(np.full(8, 1, dtype=np.int64), out=out, algorithm="ring")
+        except tcoll.TimeoutError:
+            pass
+        finally:
+            finished.set()
+        return ()
+    comm.timeout = 0.3
+    with pytest.raises(tcoll.TimeoutError, match=r"all_gather #1 \(ring"):
+        comm.all_gather(np.full(8, comm.rank + 1, dtype=np.int64), out=out, algorithm="ring")
+    out[:] = 0  # the call failed: the buffer is the user's again
+    gave_up.wait()
+    while not finished.is_set():
+        comm._engine.poll()  # take in whatever rank 0 sends meanwhile
+    engine = comm._engine
+    return (out.any(), sum(map(len, engine._posted.values())), sum(map(len, engine._unexpected.values())))
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_call_withdraws_its_receives_and_drops_late_messages() -> None:
+    size = 3
+    results = tcoll.spawn(run_late_messages, size, (threading.Barrier(size), threading.Event()), threads=True,
+                          timeout=50, coll_chunk="16")
+    for got in results[1:]:
+        assert got == (False, 0, 0), got  # nothing landed in out, nothing left posted or queued
+
+
+def run_close_while_pending(comm: tcoll.Communicator) -> str:
+    if comm.rank != 0:
+        return ""
+    work = comm.gather(np.ones(4), root=0, algorithm="linear", async_op=True)
+    comm.close()  # must not trip over the call's receives being withdrawn meanwhile
+    return repr(work.exception())
+
+
+@pytest.mark.timeout(60)
+def test_close_with_a_collective_pending() -> None:
+    results = tcoll.spawn(run_close_while_pending, 3, threads=True, timeout=50)
+    assert "TcollError" in results[0] or "PeerLostError" in results[0], results

@@ -85,15 +85,15 @@ class CollectiveMethods:
             info: the algorithm (or its name, when chosen inside `body`), for messages.
         """
         name = info if isinstance(info, str) else info.name
-        return self._start(f"{collective} #{team.sequence} ({name}, {nbytes} B per rank)", body, async_op)
+        return self._start(team, f"{collective} #{team.sequence} ({name}, {nbytes} B per rank)", body, async_op)
 
-    def _start(self, description: str, body: Algorithm, async_op: bool) -> Any:
+    def _start(self, team: Team, description: str, body: Algorithm, async_op: bool) -> Any:
         """Start `body` as a CollectiveWork named `description`; wait for it unless async_op."""
-        work = CollectiveWork(self._engine, body, description, self._world).start()
+        work = CollectiveWork(self._engine, body, description, team).start()
         if async_op:
             return work
         try:
-            return work.wait()
+            return work.wait(self.timeout)
         except BaseException as exc:
             work.abort(exc)  # a timeout or interrupt: withdraw what is still posted
             raise

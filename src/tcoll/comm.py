@@ -32,7 +32,8 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
     Attributes:
         rank: this process's rank, 0 <= rank < size.
         size: the number of ranks.
-        timeout: the default timeout of blocking calls, in seconds.
+        timeout: the timeout of this communicator's blocking calls, in seconds (settable;
+            `Work.wait(timeout)` of an async call takes its own).
     """
 
     def __init__(self, engine: Engine, transports: list[Transport], run_id: str, *,
@@ -117,7 +118,7 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
 
     def send(self, buf: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         """Send `buf` to rank `dst` and wait until the buffer may be reused (see isend)."""
-        self.isend(buf, dst, tag).wait(timeout)
+        self.isend(buf, dst, tag).wait(self.timeout if timeout is None else timeout)
 
     def recv(self, buf: Any, src: int, tag: int = 0, timeout: float | None = None) -> Any:
         """Receive a message from rank `src` into `buf` and return `buf` (see irecv).
@@ -127,7 +128,7 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
         """
         work = self.irecv(buf, src, tag)
         try:
-            return work.wait(timeout)
+            return work.wait(self.timeout if timeout is None else timeout)
         except BaseException:  # a timeout, or KeyboardInterrupt: nobody will wait for it again
             self._engine.cancel(work)
             raise

@@ -34,6 +34,7 @@ __all__ = ["Engine"]
 
 _Key = tuple[int, int, int]  # (peer, ctx, tag)
 _EMPTY = np.empty(0, dtype=np.uint8)
+_ABANDONED_KEPT = 256  # failed collective calls whose late messages are discarded on arrival
 
 
 class Engine:
@@ -63,6 +64,7 @@ class Engine:
         self.in_progress = 0  # depth of _progress calls; callbacks wait until it is 0
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
+        self._abandoned: deque[tuple[int, int, int]] = deque(maxlen=_ABANDONED_KEPT)  # (ctx, lo, hi) tags
 
     # -- setup ---------------------------------------------------------------
 
@@ -103,6 +105,20 @@ class Engine:
             work._fail(TcollError(f"{work.description} was cancelled"))
             self._wake_own()
             return True
+
+    def abandon(self, ctx: int, lo: int, hi: int) -> None:
+        """Discard messages with context `ctx` and a tag in [lo, hi): those of a call that failed here.
+
+        What already arrived is dropped now; what arrives later is drained
+        without being kept (the most recent failed calls are remembered).
+        """
+        with self._lock:
+            self._abandoned.append((ctx, lo, hi))
+            for key in [k for k in self._unexpected if k[1] == ctx and lo <= k[2] < hi]:
+                del self._unexpected[key]
+
+    def _is_abandoned(self, ctx: int, tag: int) -> bool:
+        return any(c == ctx and lo <= tag < hi for c, lo, hi in self._abandoned)
 
     def expects_from(self, peer: int) -> bool:
         """Whether a receive from `peer` is posted and not yet matched."""
@@ -178,6 +194,10 @@ class Engine:
             if nbytes > work.capacity:
                 work.data = None  # discard the payload; fail once it has streamed past
             return work
+        if self._abandoned and self._is_abandoned(ctx, tag):
+            sink = RecvWork(self, peer, ctx, tag, None, None, f"late message of a failed call (tag {tag})")
+            sink.nbytes = nbytes  # streamed past and dropped; nobody waits for it
+            return sink
         if nbytes > self.settings.eager_limit and self._posted_from[peer] == 0 and peer != self.rank:
             return None
         early = RecvWork(self, peer, ctx, tag, np.empty(nbytes, dtype=np.uint8) if nbytes else _EMPTY, None,
@@ -365,14 +385,13 @@ class Engine:
                 for pending in channel.pending_works():
                     pending._fail(error)
                 channel.close()
-            for key in [k for k in self._posted if k[0] == peer]:
-                for pending in self._posted.pop(key):
-                    pending._fail(error)
+            # Failing a work runs callbacks that may cancel other receives: take everything out first.
+            posted = [work for key in [k for k in self._posted if k[0] == peer] for work in self._posted.pop(key)]
             self._posted_from[peer] = 0
-            for key in [k for k in self._unexpected if k[0] == peer]:
-                for early in self._unexpected[key]:
-                    if not early._done:
-                        early._fail(error)
+            early = [work for key, queue in self._unexpected.items() if key[0] == peer for work in queue]
+            for work in posted + early:
+                if not work._done:
+                    work._fail(error)
             self._wake_own()
 
     def close(self) -> None:
@@ -387,14 +406,14 @@ class Engine:
                     pending._fail(error)
                 channel.close()
             self._active.clear()
-            for queue in self._posted.values():
-                for pending in queue:
-                    pending._fail(error)
+            # Failing a work runs callbacks that may cancel other receives: take everything out first.
+            posted = [work for queue in self._posted.values() for work in queue]
+            early = [work for queue in self._unexpected.values() for work in queue]
             self._posted.clear()
-            for queue in self._unexpected.values():
-                for early in queue:
-                    if not early._done:
-                        early._fail(error)
             self._unexpected.clear()
+            self._posted_from = [0] * self.size
+            for work in posted + early:
+                if not work._done:
+                    work._fail(error)
             self.channels = [None] * self.size
             self.doorbell.wake()  # threads blocked in wait() see the failures now

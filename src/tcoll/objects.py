@@ -171,7 +171,7 @@ class ObjectMethods(_Base):
 
     def _run_objects(self, team: Team, what: str, body: Algorithm, async_op: bool) -> Any:
         """Start `body` as a CollectiveWork; wait for it unless async_op."""
-        return self._start(f"{what} #{team.sequence}", body, async_op)
+        return self._start(team, f"{what} #{team.sequence}", body, async_op)
 
     def broadcast_object(self, obj: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Send the object `obj` of `root` to every rank.

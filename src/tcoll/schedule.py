@@ -46,7 +46,7 @@ class Team:
         chunk_bytes: the message size pipelined algorithms cut their data into.
     """
 
-    __slots__ = ("rank", "size", "chunk_bytes", "sequence", "_engine", "_world", "_ctx", "_tag")
+    __slots__ = ("rank", "size", "chunk_bytes", "sequence", "_engine", "_world", "_ctx", "_tag", "_receives")
 
     def __init__(self, engine: Engine, world_ranks: list[int], rank: int, ctx: int, sequence: int,
                  chunk_bytes: int) -> None:
@@ -58,6 +58,7 @@ class Team:
         self._ctx = ctx
         self.sequence = sequence
         self._tag = sequence * SUBTAGS
+        self._receives: list[RecvWork] = []  # every receive of the call, all phases: withdrawn if it fails
 
     def phase(self, index: int) -> Team:
         """This Team with separate message streams, for phase `index` of a composite call.
@@ -73,7 +74,21 @@ class Team:
             raise ValueError(f"phase {index} goes beyond the {_PHASES} phases of a collective call")
         other = Team(self._engine, self._world, self.rank, self._ctx, self.sequence, self.chunk_bytes)
         other._tag += offset
+        other._receives = self._receives
         return other
+
+    def withdraw(self) -> None:
+        """Cancel the call's receives that no message matched yet, and drop its late messages.
+
+        After a failed call, messages of it that peers still send are discarded
+        on arrival instead of landing in the user's buffers or piling up.
+        """
+        for work in self._receives:
+            if not work._done:
+                self._engine.cancel(work)
+        self._receives = []
+        base = self.sequence * SUBTAGS
+        self._engine.abandon(self._ctx, base, base + SUBTAGS)
 
     def send(self, arr: np.ndarray, peer: int, sub: int = 0) -> Work:
         """Start sending the contiguous array `arr` to team rank `peer` (stream `sub`, 0-7).
@@ -83,8 +98,16 @@ class Team:
         return self._engine.isend(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr)
 
     def recv(self, arr: np.ndarray, peer: int, sub: int = 0) -> Work:
-        """Start receiving exactly arr.nbytes bytes from team rank `peer` into `arr` (stream `sub`, 0-7)."""
-        return self._engine.irecv(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr)
+        """Start receiving exactly arr.nbytes bytes from team rank `peer` into `arr` (stream `sub`, 0-7).
+
+        Raises:
+            ValueError: `arr` is read-only (an algorithm bug: caught here, not mid-copy in a transport).
+        """
+        if not arr.flags.writeable:
+            raise ValueError(f"collective #{self.sequence}: receive into a read-only buffer")
+        work = self._engine.irecv(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr)
+        self._receives.append(work)  # type: ignore[arg-type]
+        return work
 
     def chunk_count(self, itemsize: int) -> int:
         """Elements per pipelined message for items of `itemsize` bytes (at least 1)."""
@@ -105,17 +128,17 @@ class CollectiveWork(Work):
         engine: the engine whose progress completes the requests.
         algorithm: the generator to run (already created, not started).
         description: names the call in errors, e.g. "all_reduce #7 (ring, 4096 B)".
-        world_ranks: maps the team's ranks to world ranks, for naming peers.
+        team: the call's Team (its receives are withdrawn if the call fails).
     """
 
-    __slots__ = ("_algorithm", "_pending", "_stepping", "_world")
+    __slots__ = ("_algorithm", "_pending", "_stepping", "_team")
 
-    def __init__(self, engine: Engine, algorithm: Algorithm, description: str, world_ranks: list[int]) -> None:
+    def __init__(self, engine: Engine, algorithm: Algorithm, description: str, team: Team) -> None:
         super().__init__(engine, description)
         self._algorithm = algorithm
         self._pending: list[Work] = []
         self._stepping = False
-        self._world = world_ranks
+        self._team = team
 
     def start(self) -> CollectiveWork:
         """Run the algorithm up to its first wait."""
@@ -158,22 +181,25 @@ class CollectiveWork(Work):
                 waited = self._algorithm.send(None)
             except StopIteration as stop:
                 self._pending = []
+                self._team._receives = []
                 self._finish(stop.value)
                 return
             self._pending = [waited] if isinstance(waited, Work) else list(waited)
 
     def abort(self, error: BaseException) -> None:
-        """Fail the call: withdraw its receives not yet matched and stop the algorithm."""
-        if self._done:
-            return
+        """Fail the call: withdraw its receives not yet matched, drop its late messages, stop the algorithm.
+
+        A receive that a message already started to fill completes as usual.
+        """
         engine = self._engine
         assert engine is not None
-        pending, self._pending = self._pending, []
-        self._fail(error)  # first, so that the cancellations below find the call over
-        for work in pending:
-            if type(work) is RecvWork and not work._done:
-                engine.cancel(work)
-        try:
-            self._algorithm.close()
-        except ValueError:  # aborted from within the algorithm's own step: it is ending anyway
-            pass
+        with engine._lock:  # another thread may be stepping this call
+            if self._done:
+                return
+            self._pending = []
+            self._fail(error)  # first, so that the cancellations below find the call over
+            self._team.withdraw()
+            try:
+                self._algorithm.close()
+            except ValueError:  # aborted from within the algorithm's own step: it is ending anyway
+                pass

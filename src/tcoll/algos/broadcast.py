@@ -77,7 +77,8 @@ def scatter_allgather(team: Team, buf: np.ndarray, root: int) -> Algorithm:
     if sends:
         yield sends  # the ring below writes into these ranges: let the sends finish first
     ring = [from_vrank(v, root, size) for v in range(size)]
-    yield from ring_pass(team, buf, displs, ring, vrank, sub=1)  # own stream: safe inside a composite's phase
+    # own stream: safe inside a composite's phase; the root (position 0) has it all and only sends
+    yield from ring_pass(team, buf, displs, ring, vrank, sub=1, complete_at=0)
 
 
 def _chain_cost(c: Costs, nbytes: int, size: int) -> float:
