@@ -70,12 +70,13 @@ class CollectiveMethods:
         return info
 
     def _costs(self) -> select.Costs:
-        """The cost model of this communicator's slowest kind of link."""
-        kinds = {self._engine.transport_of(peer) for peer in self._world if peer != self._engine.rank}
-        for kind in ("tcp", "shm", "loopback"):
-            if kind in kinds:
-                return select.COSTS[kind]
-        return select.COSTS["shm"]
+        """The cost model of this communicator's slowest kind of link (found once: links do not change)."""
+        costs = getattr(self, "_link_costs", None)
+        if costs is None:
+            kinds = {self._engine.transport_of(peer) for peer in self._world if peer != self._engine.rank}
+            slowest = next((kind for kind in ("tcp", "shm", "loopback") if kind in kinds), "shm")
+            costs = self._link_costs = select.COSTS[slowest]
+        return costs
 
     def _run(self, team: Team, collective: str, info: AlgorithmInfo | str, body: Algorithm, nbytes: int,
              async_op: bool) -> Any:
@@ -257,9 +258,7 @@ class CollectiveMethods:
     # -- argument helpers -------------------------------------------------------
 
     def _check_root(self, root: Any) -> None:
-        if type(root) is not int or not 0 <= root < self.size:
-            if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < self.size:
-                raise ValueError(f"root={root!r} is not a rank of this communicator (0 <= root < {self.size})")
+        self._check_peer(root, "root")  # type: ignore[attr-defined]
 
     def _reduce_input(self, x: Any, op: str | Op, what: str, writable: bool = True) -> tuple[np.ndarray, Op]:
         """A reduction's buffer as a typed view, and its op checked against the dtype.

@@ -6,6 +6,8 @@ import atexit
 import threading
 from typing import Any
 
+import numpy as np
+
 from .buffers import as_bytes
 from .engine import Engine
 from .groups import GroupMethods
@@ -202,7 +204,7 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
     def _check_peer(self, peer: Any, name: str) -> None:
         if type(peer) is int and 0 <= peer < self.size:
             return
-        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.size:
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) or not 0 <= peer < self.size:
             raise ValueError(f"{name}={peer!r} is not a rank of this communicator (0 <= {name} < {self.size})")
 
     @staticmethod
