@@ -148,3 +148,11 @@ def pattern(rank: int, count: int, dtype: np.dtype, salt: int = 0) -> np.ndarray
     if dtype.kind == "c":
         return (raw[:count] + 1j * raw[::-1][:count]).astype(dtype)
     return raw.view(dtype) if dtype.itemsize > 0 else raw
+
+
+def runnable(comm: tcoll.Communicator, collective: str) -> list[str]:
+    """The algorithms of `collective` that `comm` can run blocking: the shared-memory ones need one host."""
+    from tcoll.algos.registry import lookup
+
+    one_host = comm.size == 1 or comm.transport((comm.rank + 1) % comm.size) != "tcp"
+    return [name for name in tcoll.algorithms(collective) if one_host or not lookup(collective, name).direct]

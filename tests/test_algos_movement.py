@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import tcoll
+from collective_cases import runnable
 from tcoll.algos.registry import COLLECTIVES, REGISTRY, Costs
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -114,22 +115,22 @@ def sweep(comm: tcoll.Communicator, dtypes: list[np.dtype] = DTYPES) -> list[str
     for dtype in dtypes:
         for count in counts_list:
             for root in _roots(size):
-                for name in tcoll.algorithms("broadcast"):
+                for name in runnable(comm, "broadcast"):
                     run_broadcast(comm, name, count, dtype, root, errors)
-                for name in tcoll.algorithms("gather"):
+                for name in runnable(comm, "gather"):
                     run_gather(comm, name, [count] * size, dtype, root, errors)
-                for name in tcoll.algorithms("scatter"):
+                for name in runnable(comm, "scatter"):
                     run_scatter(comm, name, [count] * size, dtype, root, errors)
-            for name in tcoll.algorithms("all_gather"):
+            for name in runnable(comm, "all_gather"):
                 run_all_gather(comm, name, [count] * size, dtype, errors)
     for counts in uneven_counts(size):
         for dtype in dtypes[:2]:
-            for name in tcoll.algorithms("all_gather"):
+            for name in runnable(comm, "all_gather"):
                 run_all_gather(comm, name, counts, dtype, errors)
             for root in range(size):
-                for name in tcoll.algorithms("gather"):
+                for name in runnable(comm, "gather"):
                     run_gather(comm, name, counts, dtype, root, errors)
-                for name in tcoll.algorithms("scatter"):
+                for name in runnable(comm, "scatter"):
                     run_scatter(comm, name, counts, dtype, root, errors)
     return [f"rank {comm.rank}: {e}" for e in errors]
 
@@ -139,14 +140,14 @@ def sweep_large(comm: tcoll.Communicator) -> list[str]:
     size, errors = comm.size, []
     for dtype in (np.dtype(np.float32), np.dtype(np.int8)):
         for root in _roots(size):
-            for name in tcoll.algorithms("broadcast"):
+            for name in runnable(comm, "broadcast"):
                 run_broadcast(comm, name, 301 * size + 7, dtype, root, errors)
         counts = [40 + 13 * r for r in range(size)]
-        for name in tcoll.algorithms("all_gather"):
+        for name in runnable(comm, "all_gather"):
             run_all_gather(comm, name, counts, dtype, errors)
-        for name in tcoll.algorithms("gather"):
+        for name in runnable(comm, "gather"):
             run_gather(comm, name, counts, dtype, size - 1, errors)
-        for name in tcoll.algorithms("scatter"):
+        for name in runnable(comm, "scatter"):
             run_scatter(comm, name, counts, dtype, size // 2, errors)
     return [f"rank {comm.rank}: {e}" for e in errors]
 
@@ -163,20 +164,20 @@ def public_api(comm: tcoll.Communicator) -> list[str]:
         return data(r, 12, np.dtype(np.float32), salt).reshape(shape)
 
     for root in _roots(size):
-        for name in tcoll.algorithms("broadcast"):
+        for name in runnable(comm, "broadcast"):
             x = mat(root, 5) if rank == root else np.zeros(shape, dtype=np.float32)
             _check(errors, comm.broadcast(x, root, algorithm=name), mat(root, 5), f"comm.broadcast {name} {root}")
         stacked = np.stack([mat(r, 6) for r in range(size)])
-        for name in tcoll.algorithms("gather"):
+        for name in runnable(comm, "gather"):
             got = comm.gather(mat(rank, 6), root, algorithm=name)
             if rank == root:
                 _check(errors, got, stacked, f"comm.gather {name} root={root}")
             elif got is not None:
                 errors.append(f"comm.gather {name} root={root}: non-root got {got!r}")
-        for name in tcoll.algorithms("scatter"):
+        for name in runnable(comm, "scatter"):
             chunks = stacked if rank == root else None
             _check(errors, comm.scatter(chunks, root, algorithm=name), mat(rank, 6), f"comm.scatter {name} {root}")
-    for name in tcoll.algorithms("all_gather"):
+    for name in runnable(comm, "all_gather"):
         got = comm.all_gather(mat(rank, 7), algorithm=name)
         _check(errors, got, np.stack([mat(r, 7) for r in range(size)]), f"comm.all_gather {name}")
     return [f"rank {rank}: {e}" for e in errors]
@@ -196,10 +197,10 @@ def _failures(results: list[list[str]]) -> str:
 
 
 def test_registered_names() -> None:
-    assert tcoll.algorithms("broadcast") == ["binomial", "scatter_allgather", "chain"]
-    assert tcoll.algorithms("all_gather") == ["ring", "recursive_doubling", "bruck"]
-    assert tcoll.algorithms("gather") == ["linear", "binomial"]
-    assert tcoll.algorithms("scatter") == ["linear", "binomial"]
+    assert tcoll.algorithms("broadcast") == ["binomial", "scatter_allgather", "chain", "shm"]
+    assert tcoll.algorithms("all_gather") == ["ring", "recursive_doubling", "bruck", "shm"]
+    assert tcoll.algorithms("gather") == ["linear", "binomial", "shm"]
+    assert tcoll.algorithms("scatter") == ["linear", "binomial", "shm"]
     assert all(info.uneven and info.ordered for c in MOVEMENT for info in REGISTRY[c].values())
     assert set(MOVEMENT) <= set(COLLECTIVES)
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tcoll
+from collective_cases import runnable
 from tcoll.algos.registry import Costs, lookup
 from tcoll.ops import Op, as_op
 from tcoll.topology import split_counts
@@ -106,19 +107,19 @@ def battery(comm: tcoll.Communicator, counts: tuple[int, ...] | None = None) -> 
     counts = counts or (0, 1, 7, 13 * p + 3)
     failures: list[str] = []
     for n in counts:
-        for name in tcoll.algorithms("all_reduce"):
+        for name in runnable(comm, "all_reduce"):
             for kind in ops_for("all_reduce", name):
                 x = data(kind, r, n)
                 comm.all_reduce(x, OPS[kind], algorithm=name)
                 _check(failures, f"all_reduce {name} {kind} n={n}", x, reference(kind, p, n))
-        for name in tcoll.algorithms("reduce"):
+        for name in runnable(comm, "reduce"):
             for kind in ops_for("reduce", name):
                 for root in range(p):
                     x = data(kind, r, n)
                     comm.reduce(x, root, OPS[kind], algorithm=name)
                     want = reference(kind, p, n) if r == root else data(kind, r, n)
                     _check(failures, f"reduce {name} {kind} n={n} root={root} (rank {r})", x, want)
-        for name in tcoll.algorithms("reduce_scatter"):
+        for name in runnable(comm, "reduce_scatter"):
             for kind in ops_for("reduce_scatter", name):
                 _reduce_scatter_checks(comm, failures, name, kind, n)
     return failures
@@ -149,14 +150,14 @@ def averages(comm: tcoll.Communicator) -> list[str]:
     p, r = comm.size, comm.rank
     failures: list[str] = []
     want = np.arange(2 * p, dtype=np.float64) * (p * (p + 1) // 2) / p
-    for name in tcoll.algorithms("all_reduce"):
+    for name in runnable(comm, "all_reduce"):
         x = np.arange(2 * p, dtype=np.float64) * (r + 1)
         _check(failures, f"all_reduce {name} avg", comm.all_reduce(x, "avg", algorithm=name), want)
-    for name in tcoll.algorithms("reduce"):
+    for name in runnable(comm, "reduce"):
         x = np.arange(2 * p, dtype=np.float64) * (r + 1)
         comm.reduce(x, p - 1, "avg", algorithm=name)
         _check(failures, f"reduce {name} avg", x, want if r == p - 1 else np.arange(2 * p) * (r + 1.0))
-    for name in tcoll.algorithms("reduce_scatter"):
+    for name in runnable(comm, "reduce_scatter"):
         x = np.arange(2 * p, dtype=np.float64) * (r + 1)
         _check(failures, f"reduce_scatter {name} avg", comm.reduce_scatter(x, "avg", algorithm=name),
                want[2 * r:2 * r + 2])
@@ -173,7 +174,7 @@ def refusals(comm: tcoll.Communicator) -> list[str]:
         "reduce_scatter": lambda name: comm.reduce_scatter(data("matmul", r, 2 * p), MATMUL, algorithm=name),
     }
     for collective, call in calls.items():
-        for name in tcoll.algorithms(collective):
+        for name in runnable(comm, collective):
             if lookup(collective, name).ordered:
                 continue
             try:
@@ -197,9 +198,9 @@ def _report(results: list[list[str]]) -> None:
 
 
 def test_registered() -> None:
-    assert tcoll.algorithms("all_reduce") == ["naive", "ring", "recursive_doubling", "rabenseifner", "binomial"]
-    assert tcoll.algorithms("reduce") == ["binomial", "reduce_scatter_gather"]
-    assert tcoll.algorithms("reduce_scatter") == ["ring", "recursive_halving", "pairwise"]
+    assert tcoll.algorithms("all_reduce") == ["naive", "ring", "recursive_doubling", "rabenseifner", "binomial", "shm"]
+    assert tcoll.algorithms("reduce") == ["binomial", "reduce_scatter_gather", "shm"]
+    assert tcoll.algorithms("reduce_scatter") == ["ring", "recursive_halving", "pairwise", "shm"]
     unordered = {(c, n) for c in COLLECTIVES for n in tcoll.algorithms(c) if not lookup(c, n).ordered}
     assert unordered == {("all_reduce", "ring"), ("reduce_scatter", "ring")}
     costs = Costs(1e-5, 1e-9, 1e-9)

@@ -22,12 +22,13 @@ from tcoll.algos.registry import lookup
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 SMALL_CHUNK = "64"
+SMALL_SLOT = "256"  # shared-memory direct algorithms: several steps even for small counts
 REDUCTIONS = ["all_reduce", "reduce", "reduce_scatter"]
 MOVEMENTS = ["broadcast", "all_gather", "gather", "scatter", "all_to_all"]
 
 
-def _cases(collectives: list[str]) -> list[tuple[str, str]]:
-    return [(c, a) for c in collectives for a in tcoll.algorithms(c)]
+def _cases(collectives: list[str], direct: bool = True) -> list[tuple[str, str]]:
+    return [(c, a) for c in collectives for a in tcoll.algorithms(c) if direct or not lookup(c, a).direct]
 
 
 def run_reduction(comm: tcoll.Communicator, collective: str, algorithm: str, pairs: list[tuple[str, np.dtype]],
@@ -127,7 +128,7 @@ def _report(failures_per_rank: list[list[str]]) -> None:
 def test_reductions_every_op_and_dtype(collective: str, algorithm: str, size: int) -> None:
     pairs = valid_pairs(SOME_DTYPES)
     _report(tcoll.spawn(run_reduction, size, (collective, algorithm, pairs, (0, 1, 5 * size + 3)),
-                        threads=True, timeout=200, coll_chunk=SMALL_CHUNK))
+                        threads=True, timeout=200, coll_chunk=SMALL_CHUNK, shm_slot=SMALL_SLOT))
 
 
 @pytest.mark.timeout(240)
@@ -136,7 +137,7 @@ def test_reductions_every_op_and_dtype(collective: str, algorithm: str, size: in
 def test_data_movement_every_dtype(collective: str, algorithm: str, size: int) -> None:
     dtypes = ALL_DTYPES + [MATRIX] + [np.dtype([("value", d), ("index", np.int64)]) for d in LOC_DTYPES[:1]]
     _report(tcoll.spawn(run_movement, size, (collective, algorithm, dtypes, (0, 1, 2 * size + 1)),
-                        threads=True, timeout=200, coll_chunk=SMALL_CHUNK))
+                        threads=True, timeout=200, coll_chunk=SMALL_CHUNK, shm_slot=SMALL_SLOT))
 
 
 def run_every_algorithm(comm: tcoll.Communicator) -> list[str]:
@@ -144,19 +145,28 @@ def run_every_algorithm(comm: tcoll.Communicator) -> list[str]:
     failures: list[str] = []
     pairs = [("sum", np.dtype(np.float32)), ("max", np.dtype(np.int64)), ("sum", np.dtype("bfloat16")),
              ("matmul", MATRIX)]
-    for collective, algorithm in _cases(REDUCTIONS):
+    one_host = comm.transport((comm.rank + 1) % comm.size) == "shm"
+    for collective, algorithm in _cases(REDUCTIONS, direct=one_host):
         failures += run_reduction(comm, collective, algorithm, pairs, (1, 300))
-    for collective, algorithm in _cases(MOVEMENTS):
+    for collective, algorithm in _cases(MOVEMENTS, direct=one_host):
         failures += run_movement(comm, collective, algorithm, [np.dtype(np.float64), np.dtype(np.int8)], (1, 300))
-    for algorithm in tcoll.algorithms("barrier"):
+    for collective, algorithm in _cases(["barrier"], direct=one_host):
         comm.barrier(algorithm=algorithm)
+    if not one_host:  # ranks joined by tcp: the shared-memory algorithms refuse before anything is sent
+        try:
+            comm.all_reduce(np.ones(4), algorithm="shm")
+            failures.append("all_reduce/shm ran over tcp")
+        except ValueError as exc:
+            if "on this host" not in str(exc):
+                failures.append(f"all_reduce/shm over tcp: unexpected message {exc}")
     return failures
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport,size", [("shm", 3), ("shm", 4), ("tcp", 3)])
 def test_every_algorithm_on_processes(transport: str, size: int) -> None:
-    _report(tcoll.spawn(run_every_algorithm, size, timeout=240, transport=transport, coll_chunk="256"))
+    _report(tcoll.spawn(run_every_algorithm, size, timeout=240, transport=transport, coll_chunk="256",
+                        shm_slot=SMALL_SLOT))
 
 
 def run_barrier(comm: tcoll.Communicator, algorithm: str, arrived: list[int], lock: threading.Lock) -> list[str]:

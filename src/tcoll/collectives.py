@@ -24,6 +24,7 @@ from .ops import Op, as_op
 from .schedule import Algorithm, CollectiveWork, Team
 
 if TYPE_CHECKING:
+    from .arena import Arena
     from .engine import Engine
 
 __all__ = ["CollectiveMethods"]
@@ -40,6 +41,9 @@ class CollectiveMethods:
     _coll_ctx: int
     _sequence: int
     _forced: dict[str, str]  # TCOLL_ALGO: {collective: algorithm} used for "auto"
+    _choices: dict[tuple[Any, ...], AlgorithmInfo]  # _choose's answers by call signature
+    _direct_ok: bool | None  # every rank on this host (None: not found yet)
+    _shm_arena: Arena | None
 
     # -- running ----------------------------------------------------------------
 
@@ -51,23 +55,94 @@ class CollectiveMethods:
                     self._engine.settings.coll_chunk)
 
     def _choose(self, collective: str, algorithm: str, nbytes: int, op: Op | None = None,
-                uneven: bool = False) -> AlgorithmInfo:
-        """The algorithm to run: the one asked for (checked), or the cost model's choice."""
+                uneven: bool = False, blocking: bool = False, itemsize: int = 1) -> AlgorithmInfo:
+        """The algorithm to run: the one asked for (checked), or the cost model's choice (cached).
+
+        Args:
+            blocking: the call waits for its result here, so a shared-memory direct
+                algorithm may run it (when every rank shares this host).
+            itemsize: bytes per element of a reduction (a share of a shared-memory
+                slot must hold one element per rank).
+        """
         ordered = op is not None and not op.commutative
+        key = (collective, algorithm, nbytes, ordered, uneven, blocking, itemsize)
+        info = self._choices.get(key)
+        if info is None:
+            direct = blocking and self._direct_capable()
+            if direct and itemsize * self.size > self._engine.settings.shm_slot:
+                if algorithm == "shm":
+                    raise ValueError(f"{collective} algorithm 'shm': items of {itemsize} B do not fit the "
+                                     f"shared-memory slot of {self.size} ranks; raise TCOLL_SHM_SLOT")
+                direct = False
+            info = self._resolve(collective, algorithm, nbytes, ordered, uneven, direct, blocking)
+            if len(self._choices) >= 4096:
+                self._choices.clear()
+            self._choices[key] = info
+        return info
+
+    def _resolve(self, collective: str, algorithm: str, nbytes: int, ordered: bool, uneven: bool, direct: bool,
+                 blocking: bool) -> AlgorithmInfo:
         if algorithm == "auto":
-            algorithm = self._forced.get(collective, "auto")
+            forced = self._forced.get(collective, "auto")
+            if forced != "auto" and (direct or not lookup(collective, forced).direct):
+                algorithm = forced
         if algorithm == "auto":
-            return select.choose(collective, nbytes, self.size, self._costs(), ordered=ordered, uneven=uneven)
+            return select.choose(collective, nbytes, self.size, self._costs(), ordered=ordered, uneven=uneven,
+                                 direct=direct)
         if not isinstance(algorithm, str):
             raise TypeError(f"algorithm must be a name, not {type(algorithm).__name__}")
         info = lookup(collective, algorithm)
         if ordered and not info.ordered:
-            raise ValueError(f"{collective} algorithm {algorithm!r} reorders operands; op {op.name!r} is not "
+            raise ValueError(f"{collective} algorithm {algorithm!r} reorders operands; the op is not "
                              "commutative (choose one of "
                              f"{', '.join(i.name for i in select.eligible(collective, ordered=True))})")
         if uneven and not info.uneven:
             raise ValueError(f"{collective} algorithm {algorithm!r} needs equal counts on every rank")
+        if info.direct and not direct:
+            why = ("it runs only blocking calls (async_op=False)" if not blocking else
+                   "it needs every rank of the communicator on this host, connected by shared memory")
+            raise ValueError(f"{collective} algorithm {algorithm!r} cannot run this call: {why}")
         return info
+
+    def _run_direct(self, info: AlgorithmInfo, *args: Any, **kwargs: Any) -> Any:
+        """Run a shared-memory direct algorithm; a failure anywhere in it breaks the arena.
+
+        Whatever interrupts a call (an exception from a user op, a timeout,
+        Ctrl-C) leaves this rank's step number out of step with the others',
+        so later direct calls must refuse at once instead of waiting on steps
+        that will never come.
+        """
+        arena = self._arena()
+        try:
+            return info.run(arena, *args, **kwargs)
+        except BaseException as exc:
+            if arena.broken is None:
+                arena.broken = exc
+            raise
+
+    def _direct_capable(self) -> bool:
+        """Whether every rank shares this host, so that shared-memory direct algorithms can run (found once)."""
+        capable = self._direct_ok
+        if capable is None:
+            from .arena import Arena
+
+            capable = self._direct_ok = Arena.usable(self._engine, self._world)
+        return capable
+
+    def _arena(self) -> Arena:
+        """The communicator's shared-memory arena (made by the first direct call: collective)."""
+        arena = self._shm_arena
+        if arena is None:
+            from .arena import Arena
+
+            self._check_open()
+            arena = self._shm_arena = Arena.create(self)
+            self._engine.closers.append(arena.close)
+        elif arena.broken is not None or self._closed:
+            self._check_open()
+            arena.check_usable()
+        arena.timeout = self.timeout
+        return arena
 
     def _costs(self) -> select.Costs:
         """The cost model of this communicator's slowest kind of link (found once: links do not change)."""
@@ -109,6 +184,9 @@ class CollectiveMethods:
             async_op: return the Work instead of waiting.
         """
         info = lookup(collective, name)
+        if info.direct:
+            self._resolve(collective, name, 0, False, False, self._direct_capable() and not async_op, not async_op)
+            return self._run_direct(info, *args)
         team = self._team()
         return self._run(team, collective, info, info.run(team, *args), 0, async_op)
 
@@ -132,7 +210,12 @@ class CollectiveMethods:
             ValueError: x is not contiguous or is read-only; unknown algorithm.
         """
         flat, op = self._reduce_input(x, op, "all_reduce")
-        info = self._choose("all_reduce", algorithm, flat.nbytes, op)
+        info = self._choose("all_reduce", algorithm, flat.nbytes, op, blocking=not async_op,
+                            itemsize=flat.itemsize)
+        if info.direct:
+            self._run_direct(info, flat, op)
+            op.finish(flat, self.size)
+            return x
         team = self._team()
 
         def body() -> Algorithm:
@@ -162,7 +245,12 @@ class CollectiveMethods:
         self._check_root(root)
         arr, op = self._reduce_input(x, op, "reduce", writable=self.rank == root)
         flat = arr.reshape(-1)
-        info = self._choose("reduce", algorithm, flat.nbytes, op)
+        info = self._choose("reduce", algorithm, flat.nbytes, op, blocking=not async_op, itemsize=flat.itemsize)
+        if info.direct:
+            self._run_direct(info, flat, op, root)
+            if self.rank == root:
+                op.finish(flat, self.size)
+            return x
         team = self._team()
 
         def body() -> Algorithm:
@@ -191,7 +279,10 @@ class CollectiveMethods:
         """
         self._check_root(root)
         flat = as_array(x, writable=self.rank != root, what="broadcast buffer").reshape(-1)
-        info = self._choose("broadcast", algorithm, flat.nbytes)
+        info = self._choose("broadcast", algorithm, flat.nbytes, blocking=not async_op)
+        if info.direct:
+            self._run_direct(info, flat, root)
+            return x
         team = self._team()
 
         def body() -> Algorithm:
@@ -230,7 +321,12 @@ class CollectiveMethods:
     def _reduce_scatter_run(self, send: np.ndarray, out_flat: np.ndarray, user_out: Any, counts: list[int],
                             op: Op, algorithm: str, async_op: bool) -> Any:
         uneven = len(set(counts)) > 1
-        info = self._choose("reduce_scatter", algorithm, send.nbytes, op, uneven=uneven)
+        info = self._choose("reduce_scatter", algorithm, send.nbytes, op, uneven=uneven, blocking=not async_op,
+                            itemsize=send.itemsize)
+        if info.direct:
+            self._run_direct(info, send, out_flat, counts, op)
+            op.finish(out_flat, self.size)
+            return user_out
         team = self._team()
 
         def body() -> Algorithm:
@@ -247,7 +343,10 @@ class CollectiveMethods:
             algorithm: "auto", or one of tcoll.algorithms("barrier").
             async_op: return a Work instead of waiting.
         """
-        info = self._choose("barrier", algorithm, 0)
+        info = self._choose("barrier", algorithm, 0, blocking=not async_op)
+        if info.direct:
+            self._run_direct(info)
+            return None
         team = self._team()
 
         def body() -> Algorithm:

@@ -13,6 +13,7 @@ from .engine import Engine
 from .groups import GroupMethods
 from .movement import MovementMethods
 from .objects import ObjectMethods
+from .shm_heap import heap_of
 from .vcollectives import VCollectiveMethods
 from .transport.base import Transport
 from .work import Work
@@ -57,6 +58,9 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
         self._coll_ctx = 2 * context + 1
         self._sequence = 0  # collective calls so far; their tags
         self._forced = engine.settings.forced_algorithms()
+        self._choices = {}
+        self._direct_ok = None
+        self._shm_arena = None
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -135,6 +139,44 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
             self._engine.cancel(work)
             raise
 
+    # -- zero-copy buffers -----------------------------------------------------------
+
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
+        """A new NumPy array in shared memory, for collectives that skip the copy into the arena.
+
+        When every rank of the communicator shares this host, the shared-memory
+        collectives read such a buffer where it lies instead of copying it in
+        first (the counterpart of NCCL's buffer registration, with nothing to
+        register). Anywhere else it is an ordinary array. `torch.from_numpy`
+        turns it into a tensor on the same memory. Its file in /dev/shm is
+        removed when the last array on it goes (or when the world
+        communicator closes); the memory itself lives as long as arrays on it
+        do (here, and in the other ranks that read it).
+
+        Args:
+            shape: the array's shape.
+            dtype: its NumPy dtype.
+
+        Returns:
+            A writable C-contiguous array; its contents are zero.
+
+        Raises:
+            TransportError: /dev/shm has no room for it.
+        """
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise ValueError(f"negative dimensions are not allowed: {shape}")
+        self._check_open()
+        if not self._direct_capable():
+            return np.zeros(shape, dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return heap_of(self._engine, self.run_id).allocate(nbytes).view(dtype).reshape(shape)
+
+    def zeros(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
+        """A new zero-filled NumPy array in shared memory (see `empty`)."""
+        return self.empty(shape, dtype)
+
     # -- introspection and life cycle -------------------------------------------
 
     def transport(self, peer: int) -> str:
@@ -162,6 +204,12 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
             if self._closed:
                 return
             self._closed = True
+        arena = self._shm_arena
+        if arena is not None:  # a sub-communicator's arena goes with it, not with the world
+            self._shm_arena = None
+            if arena.close in self._engine.closers:
+                self._engine.closers.remove(arena.close)
+            arena.close()
         if self._parent is not None:
             return
         self._engine.close()

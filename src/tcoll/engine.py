@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,8 @@ class Engine:
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self._abandoned: deque[tuple[int, int, int]] = deque(maxlen=_ABANDONED_KEPT)  # (ctx, lo, hi) tags
+        self.heap: Any = None  # zero-copy buffers (tcoll.shm_heap), made on first use
+        self.closers: list[Callable[[], None]] = []  # called by close(): arenas, the heap
 
     # -- setup ---------------------------------------------------------------
 
@@ -333,11 +336,21 @@ class Engine:
         self.spin.record(time.monotonic() - start, blocked)
 
     def _block(self, work: Work, timeout: float) -> None:
-        """Sleep on the doorbell unless progress is possible (re-checked after announcing)."""
+        """Sleep on the doorbell unless progress is possible or `work` is done (re-checked after announcing)."""
+        self.block_unless(lambda: work._done, timeout)
+
+    def block_unless(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Sleep on this rank's doorbell for up to `timeout` s, unless progress is possible or ready().
+
+        Both are re-checked after the sleep is announced, so a peer that
+        publishes and rings in between is never missed. Peers ring the
+        doorbell for point-to-point traffic and for shared-memory collectives
+        alike, so one sleep serves both.
+        """
         bell = self.doorbell  # the same one throughout, even if close() swaps it meanwhile
         with self._lock:
             seq = bell.prepare_sleep()
-            if self._progress() or work._done or self.closed:
+            if self._progress() or ready() or self.closed:
                 bell.end_sleep()
                 return
         try:
@@ -364,6 +377,27 @@ class Engine:
                     self._progress()  # it may have written its last message just before it went
                     if peer in work.peers():
                         self.fail_peer(peer, exc)
+
+    def probe_peers(self, peers: list[int]) -> None:
+        """Check that the world ranks `peers` live; a lost one is failed here and raised.
+
+        Raises:
+            PeerLostError: naming the first peer found gone.
+        """
+        with self._lock:
+            self._progress()
+            for peer in peers:
+                lost = self._lost.get(peer)
+                if lost is not None:
+                    raise lost
+                channel = self.channels[peer]
+                if channel is None:
+                    continue
+                try:
+                    channel.check_alive()
+                except PeerLostError as exc:
+                    self.fail_peer(peer, exc)
+                    raise
 
     def _timeout_error(self, work: Work, limit: float) -> TimeoutError:
         peers = work.peers()
@@ -417,3 +451,6 @@ class Engine:
                     work._fail(error)
             self.channels = [None] * self.size
             self.doorbell.wake()  # threads blocked in wait() see the failures now
+        for closer in self.closers:
+            closer()
+        self.closers.clear()

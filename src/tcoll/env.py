@@ -17,7 +17,7 @@ __all__ = ["Settings", "parse_size", "TRANSPORT_CHOICES"]
 TRANSPORT_CHOICES = ("auto", "shm", "tcp")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
-_SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk")
+_SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk", "shm_slot")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -62,6 +62,8 @@ class Settings:
             "all_reduce=ring,broadcast=chain" (TCOLL_ALGO).
         coll_chunk: bytes per message of the pipelined collective algorithms (ring,
             chain); small values exercise the multi-chunk paths (TCOLL_COLL_CHUNK).
+        shm_slot: bytes each rank stages per step of the shared-memory direct collectives;
+            larger messages are pipelined through its two slots (TCOLL_SHM_SLOT).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
     """
@@ -76,6 +78,7 @@ class Settings:
     tcp_addr: str = ""
     auth_key: str = ""
     coll_chunk: int = 1 << 20
+    shm_slot: int = 1 << 20
     algorithms: str = ""
 
     _ENV = {
@@ -89,6 +92,7 @@ class Settings:
         "tcp_addr": ("TCOLL_TCP_ADDR", str),
         "auth_key": ("TCOLL_AUTH_KEY", str),
         "coll_chunk": ("TCOLL_COLL_CHUNK", parse_size),
+        "shm_slot": ("TCOLL_SHM_SLOT", parse_size),
         "algorithms": ("TCOLL_ALGO", str),
     }
 
@@ -153,5 +157,7 @@ class Settings:
         self.forced_algorithms()  # raises on a malformed TCOLL_ALGO
         if self.coll_chunk < 16:
             raise ValueError(f"coll_chunk must be at least 16 bytes, not {self.coll_chunk}")
+        if self.shm_slot < 64:
+            raise ValueError(f"shm_slot must be at least 64 bytes, not {self.shm_slot}")
         if self.spin_us < 0 or self.liveness_interval <= 0:
             raise ValueError("spin_us must be >= 0 and liveness_interval > 0")

@@ -43,7 +43,10 @@ class MovementMethods(CollectiveMethods):
         user_out, out_flat = self._output(x, arr, out, (self.size, *arr.shape), "all_gather")
         count = arr.size
         out_flat[self.rank * count:(self.rank + 1) * count] = arr.reshape(-1)
-        info = self._choose("all_gather", algorithm, arr.nbytes)
+        info = self._choose("all_gather", algorithm, arr.nbytes, blocking=not async_op)
+        if info.direct:
+            self._run_direct(info, out_flat, [count] * self.size, source=arr)
+            return user_out
         team = self._team()
 
         def body() -> Algorithm:
@@ -78,7 +81,10 @@ class MovementMethods(CollectiveMethods):
         if self.rank == root:
             user_out, out_flat = self._output(x, arr, out, (self.size, *arr.shape), "gather")
             out_flat[root * count:(root + 1) * count] = send
-        info = self._choose("gather", algorithm, arr.nbytes)
+        info = self._choose("gather", algorithm, arr.nbytes, blocking=not async_op)
+        if info.direct:
+            self._run_direct(info, send, out_flat, [count] * self.size, root)
+            return user_out
         team = self._team()
 
         def body() -> Algorithm:
@@ -112,12 +118,14 @@ class MovementMethods(CollectiveMethods):
         """
         self._check_root(root)
         send, like = (self._stack_chunks(chunks) if self.rank == root else (None, None))
-        if algorithm != "auto":
-            self._choose("scatter", algorithm, 0)  # an unknown name fails here, before anything is sent
-        team = self._team()
+        if algorithm != "auto":  # an unknown name fails here, before anything is sent
+            self._choose("scatter", algorithm, 0, blocking=not async_op)
         described = np.zeros(meta.META_BYTES, dtype=np.uint8)
         if send is not None:
             described[:] = meta.encode(like)
+        if not async_op and self._direct_capable():
+            return self._scatter_blocking(send, described, root, out, algorithm)
+        team = self._team()
 
         def body() -> Algorithm:
             yield from lookup("broadcast", "binomial").run(team, described, root)
@@ -133,6 +141,24 @@ class MovementMethods(CollectiveMethods):
 
         nbytes = 0 if send is None else send.nbytes // self.size
         return self._run(team, "scatter", algorithm, body(), nbytes, async_op)
+
+    def _scatter_blocking(self, send: np.ndarray | None, described: np.ndarray, root: int, out: Any,
+                          algorithm: str) -> Any:
+        """scatter on one host, blocking: root's description goes through the arena, then the chunks."""
+        self._run_direct(lookup("broadcast", "shm"), described, root)
+        kind, dtype, shape = meta.decode(described)
+        user_out, out_flat = self._scatter_output(out, kind, dtype, shape)
+        count = out_flat.size
+        info = self._choose("scatter", algorithm, out_flat.nbytes, blocking=True)
+        if send is not None:
+            out_flat[:] = send[root * count:(root + 1) * count]
+        if info.direct:
+            self._run_direct(info, send, out_flat, [count] * self.size, root)
+            return user_out
+        team = self._team()
+        body = info.run(team, send, out_flat, [count] * self.size, root)
+        self._run(team, "scatter", info, body, out_flat.nbytes, False)
+        return user_out
 
     def _scatter_output(self, out: Any, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
         """The output of scatter for the chunk root described: the user's (checked) or a new one."""
@@ -168,7 +194,10 @@ class MovementMethods(CollectiveMethods):
         count = send.size // self.size
         mine = slice(self.rank * count, (self.rank + 1) * count)
         out_flat[mine] = send[mine]
-        info = self._choose("all_to_all", algorithm, send.nbytes)
+        info = self._choose("all_to_all", algorithm, send.nbytes, blocking=not async_op)
+        if info.direct:
+            self._run_direct(info, send, out_flat, [count] * self.size, [count] * self.size)
+            return user_out
         team = self._team()
         counts = [count] * self.size
 

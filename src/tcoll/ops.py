@@ -47,7 +47,7 @@ class Op:
         name: how the op is shown in messages and tables.
     """
 
-    __slots__ = ("fn", "commutative", "name", "_kinds", "_ufunc")
+    __slots__ = ("fn", "commutative", "name", "_kinds", "_ufunc", "_accepted")
 
     def __init__(self, fn: Callable[[Any, Any], Any], commutative: bool = True, name: str | None = None,
                  kinds: frozenset[str] | None = None) -> None:
@@ -58,16 +58,20 @@ class Op:
         self.name = name or getattr(fn, "__name__", "user op")
         self._kinds = kinds  # None: a user op, any dtype
         self._ufunc = fn if isinstance(fn, np.ufunc) else None
+        self._accepted: set[np.dtype] = set()  # dtypes check() already passed (calls repeat them)
 
     def check(self, dtype: np.dtype) -> None:
         """Raise TypeError if this op cannot reduce `dtype` (before anything is sent).
 
         A user op accepts every dtype, structured ones included: its function decides.
         """
+        if dtype in self._accepted:
+            return
         kind = dtype_kind(dtype)
         if self._kinds is not None and kind not in self._kinds:
             raise TypeError(f"reduce op {self.name!r} does not apply to dtype {dtype} "
                             f"(it takes {', '.join(sorted(self._kinds))} data)")
+        self._accepted.add(dtype)
 
     def combine(self, lower: np.ndarray, higher: np.ndarray, out: np.ndarray) -> None:
         """Write op(lower, higher) into `out` (which may be `lower` or `higher`)."""

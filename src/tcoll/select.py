@@ -23,22 +23,27 @@ COSTS = {
 }
 
 
-def eligible(collective: str, *, ordered: bool = False, uneven: bool = False) -> list[AlgorithmInfo]:
-    """The algorithms of `collective` that can run a call needing rank order / uneven counts."""
+def eligible(collective: str, *, ordered: bool = False, uneven: bool = False,
+             direct: bool = False) -> list[AlgorithmInfo]:
+    """The algorithms of `collective` that can run a call needing rank order / uneven counts.
+
+    Args:
+        direct: whether shared-memory direct algorithms may run (a blocking call, every rank on one host).
+    """
     return [info for info in REGISTRY[collective].values()
-            if (info.ordered or not ordered) and (info.uneven or not uneven)]
+            if (info.ordered or not ordered) and (info.uneven or not uneven) and (direct or not info.direct)]
 
 
 def ranked(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bool = False,
-           uneven: bool = False) -> list[tuple[float, AlgorithmInfo]]:
+           uneven: bool = False, direct: bool = False) -> list[tuple[float, AlgorithmInfo]]:
     """Every eligible algorithm with its modelled time, cheapest first (ties: registration order)."""
-    candidates = eligible(collective, ordered=ordered, uneven=uneven)
+    candidates = eligible(collective, ordered=ordered, uneven=uneven, direct=direct)
     timed = [(info.cost(costs, nbytes, size), index, info) for index, info in enumerate(candidates)]
     return [(seconds, info) for seconds, _, info in sorted(timed, key=lambda item: item[:2])]
 
 
 def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bool = False,
-           uneven: bool = False) -> AlgorithmInfo:
+           uneven: bool = False, direct: bool = False) -> AlgorithmInfo:
     """The cheapest eligible algorithm for this call.
 
     Args:
@@ -48,18 +53,19 @@ def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bo
         costs: the link model (see COSTS).
         ordered: the reduce op is not commutative.
         uneven: ranks' counts differ.
+        direct: shared-memory direct algorithms may run.
 
     Raises:
         ValueError: no algorithm is eligible.
     """
-    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven)
+    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct)
     if not options:
         raise ValueError(f"no {collective} algorithm supports this call (ordered={ordered}, uneven={uneven})")
     return options[0][1]
 
 
 def explain(collective: str, nbytes: int, size: int, transport: str = "shm", *, ordered: bool = False,
-            uneven: bool = False) -> str:
+            uneven: bool = False, blocking: bool = True) -> str:
     """A table of the modelled time of each eligible algorithm, and the choice.
 
     Args:
@@ -69,12 +75,15 @@ def explain(collective: str, nbytes: int, size: int, transport: str = "shm", *, 
         transport: whose costs to use: "shm", "tcp" or "loopback".
         ordered: the reduce op is not commutative.
         uneven: ranks' counts differ.
+        blocking: a blocking call (async_op=False): on one host ("shm") the
+            shared-memory direct algorithms compete too.
 
     Returns:
         Text, one line per algorithm, the chosen one marked with "*".
     """
     costs = COSTS[transport]
-    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven)
+    direct = blocking and transport in ("shm", "loopback")
+    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct)
     lines = [f"{collective}, {nbytes} B per rank, {size} ranks over {transport} "
              f"(alpha {costs.alpha * 1e6:g} us, beta {1 / costs.beta / 1e9:g} GB/s, "
              f"gamma {1 / costs.gamma / 1e9:g} GB/s):"]

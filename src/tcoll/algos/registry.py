@@ -18,6 +18,12 @@ signature per collective:
 
 Algorithms with `ordered=False` combine operands out of rank order and run
 only commutative ops; `uneven=False` ones need equal counts.
+
+*Direct* algorithms (`direct=True`, tcoll.algos.shm_direct) are not
+generators: they take an `Arena` (memory every rank of the communicator maps)
+in place of the team, with the same arguments otherwise, and run to
+completion in the calling thread. They serve blocking calls of communicators
+whose ranks all share one host.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class AlgorithmInfo:
         ordered: safe for non-commutative ops (combines operands in rank order).
         uneven: works when ranks' counts differ.
         summary: one line for `tcoll.explain` and the docs.
+        direct: runs through a shared-memory arena, not point-to-point (see the module docstring).
     """
 
     collective: str
@@ -72,14 +79,15 @@ class AlgorithmInfo:
     ordered: bool
     uneven: bool
     summary: str
+    direct: bool = False
 
 
 REGISTRY: dict[str, dict[str, AlgorithmInfo]] = {name: {} for name in COLLECTIVES}
 
 
-def algorithm(collective: str, name: str, *, cost: CostFn, ordered: bool = True,
-              uneven: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register the decorated generator function as `name` for `collective`."""
+def algorithm(collective: str, name: str, *, cost: CostFn, ordered: bool = True, uneven: bool = True,
+              direct: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register the decorated function as `name` for `collective` (a generator unless `direct`)."""
     if collective not in REGISTRY:
         raise ValueError(f"unknown collective {collective!r}")
 
@@ -87,7 +95,7 @@ def algorithm(collective: str, name: str, *, cost: CostFn, ordered: bool = True,
         if name in REGISTRY[collective]:
             raise ValueError(f"{collective} algorithm {name!r} registered twice")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else name
-        REGISTRY[collective][name] = AlgorithmInfo(collective, name, fn, cost, ordered, uneven, summary)
+        REGISTRY[collective][name] = AlgorithmInfo(collective, name, fn, cost, ordered, uneven, summary, direct)
         return fn
 
     return register

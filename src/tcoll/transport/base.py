@@ -24,6 +24,7 @@ import struct
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from ..waiting import Doorbell
     from ..engine import Engine
     from ..env import Settings
     from ..store import Store
@@ -93,6 +94,10 @@ class Channel(abc.ABC):
 
     def check_alive(self) -> None:
         """Raise PeerLostError if the peer is known to be gone (called while blocked)."""
+
+    def peer_doorbell(self) -> Doorbell | None:
+        """The doorbell that wakes the peer, if this rank can ring it directly (same host)."""
+        return None
 
     def close(self) -> None:
         """Release the channel's resources."""

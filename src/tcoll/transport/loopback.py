@@ -142,6 +142,9 @@ class LoopbackChannel(Channel):
     def pending_works(self) -> list[Work]:
         return list(self._in_flight)
 
+    def peer_doorbell(self) -> Any:
+        return self._peer_engine.doorbell
+
     def check_alive(self) -> None:
         self._check_peer()
 

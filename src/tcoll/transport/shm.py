@@ -356,6 +356,9 @@ class ShmChannel(Channel):
             pending.append(self._recv)
         return pending
 
+    def peer_doorbell(self) -> Doorbell | None:
+        return None if self._closed else self._peer_bell
+
     def check_alive(self) -> None:
         if self._peer_closed[0]:
             raise PeerLostError(self.peer, "it closed its communicator")

@@ -1,0 +1,269 @@
+"""Shared-memory direct algorithms: every rank reads the others' data straight from the arena.
+
+For ranks on one host, point-to-point algorithms pay a message latency per
+step and copy every byte twice (into a ring, out of it). Here each rank
+writes its data once into its slot of the communicator's arena
+(`tcoll.arena`), publishes the step, and every rank reads what it needs from
+all slots at once: an all_reduce is one copy in, a reduction of this rank's
+1/p of every input, one copy out, with two synchronisations per slot-sized
+piece (so a large message is pipelined through cache-sized steps, and a fast
+rank works one step ahead of a slow one). Reductions are NumPy ufuncs with
+`out=` straight over the shared memory; nothing is allocated per call.
+
+A rank whose buffer lives in shared memory (`Communicator.empty`) publishes
+where it is instead of copying it in: the others read it in place (zero-copy),
+and the rank waits at the end until they are done with it.
+
+Source: the shared-memory collectives of MPICH's and Open MPI's "sm"/"xhc"
+components and of oneCCL, reduced to a step counter per rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..arena import Arena
+from ..ops import Op
+from .registry import Costs, algorithm
+
+__all__ = ["SMALL_BYTES", "ZERO_COPY_BYTES"]
+
+SMALL_BYTES = 16 << 10  # all_reduce/reduce up to this: one step, every rank reduces the whole vector
+ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
+# The cost model of the direct algorithms (fitted to `tcoll bench` on a 2-core machine, docs/performance.md):
+_SYNC = 2e-6  # seconds per step: a counter in shared memory seen by a polling rank, plus Python
+_COPY = 1 / 30e9  # seconds per byte copied into or out of a slot (pieces stay in cache)
+_REDUCE = 1 / 12e9  # seconds per byte combined by a ufunc over slots in cache
+
+_CODES = {name: code for code, name in enumerate(("all_reduce", "reduce", "broadcast", "all_gather", "gather",
+                                                  "scatter", "reduce_scatter", "all_to_all", "barrier"), 1)}
+
+
+def fingerprint(collective: str, dtype: np.dtype, nbytes: int, root: int = 0) -> tuple[int, int]:
+    """Two words that differ when two ranks make different calls at the same point."""
+    return (_CODES[collective] | root << 8 | dtype.itemsize << 32 | ord(dtype.char) << 48), nbytes
+
+
+def _bounds(count: int, parts: int, index: int) -> tuple[int, int]:
+    """Element range [lo, hi) of part `index` when `count` elements are cut into `parts` near-equal parts."""
+    base, extra = divmod(count, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
+
+
+def combine_all(op: Op, parts: list[np.ndarray], out: np.ndarray) -> None:
+    """out = parts[0] op parts[1] op ... in rank order, with no temporary (out aliases no part)."""
+    if len(parts) == 1:
+        out[...] = parts[0]
+        return
+    op.combine(parts[0], parts[1], out)
+    for part in parts[2:]:
+        op.combine(out, part, out)
+
+
+def lend(arena: Arena, raw: np.ndarray, total: int) -> tuple[int, int, int] | None:
+    """Where `raw` lies in this rank's shared buffers, if the call is large enough to read it in place."""
+    if total < ZERO_COPY_BYTES or arena.heap is None:
+        return None
+    return arena.heap.locate(raw)
+
+
+def finish_lending(arena: Arena, total: int, lent: bool) -> None:
+    """The closing step of a call that may have read buffers in place: lenders wait for every reader.
+
+    Every rank takes the step when the call is large enough to lend (the
+    same decision everywhere); only the lenders wait in it.
+    """
+    if total < ZERO_COPY_BYTES:
+        return
+    step = arena.skip()
+    arena.publish(step)
+    if lent:
+        arena.wait_all(step)
+
+
+def _raw(arr: np.ndarray) -> np.ndarray:
+    return arr.view(np.uint8) if arr.ndim == 1 else arr.reshape(-1).view(np.uint8)
+
+
+# -- all_reduce and reduce -----------------------------------------------------------------
+
+def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
+    if size == 1:
+        return 0.0
+    if nbytes <= SMALL_BYTES:
+        return _SYNC + nbytes * _COPY + (size - 1) * nbytes * _REDUCE
+    steps = 2 * -(-nbytes // (1 << 20))
+    return steps * _SYNC + 2 * nbytes * _COPY + (size - 1) / size * nbytes * _REDUCE
+
+
+@algorithm("all_reduce", "shm", cost=_reduce_cost, direct=True)
+def all_reduce(arena: Arena, buf: np.ndarray, op: Op) -> None:
+    """Shared-memory all_reduce: copy in, each rank reduces its 1/p of every slot, copy out.
+
+    Steps: up to 16 KiB, one step in which every rank reduces all slots
+    itself; larger, per slot-sized piece: write the piece, publish; reduce
+    this rank's 1/p of it over all slots into the shared result, publish;
+    copy the whole result out. Memory traffic per rank: n bytes in, n bytes
+    reduced from p inputs / p, n bytes out. Operands in rank order.
+    """
+    _reduce_direct(arena, buf, op, None, "all_reduce")
+
+
+@algorithm("reduce", "shm", cost=_reduce_cost, direct=True)
+def reduce(arena: Arena, buf: np.ndarray, op: Op, root: int) -> None:
+    """Shared-memory reduce: as the shm all_reduce, but only root copies the result out.
+
+    Steps: as the shm all_reduce; the ranks other than root go on as soon as
+    their share of the reduction is published.
+    """
+    _reduce_direct(arena, buf, op, root, "reduce")
+
+
+def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None, what: str) -> None:
+    if arena.size == 1 or buf.size == 0:
+        return
+    fp = fingerprint(what, buf.dtype, buf.nbytes, root or 0)
+    if buf.nbytes <= min(SMALL_BYTES, arena.slot_bytes):
+        _reduce_small(arena, buf, op, root, fp, what)
+    else:
+        _reduce_large(arena, buf, op, root, fp, what)
+
+
+def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: tuple[int, int], what: str) -> None:
+    """One step: every rank writes its vector; each rank that wants the result reduces all slots."""
+    raw = _raw(buf)
+    nbytes = raw.nbytes
+    step = arena.claim()
+    arena.slot(arena.rank, step)[:nbytes] = raw
+    arena.describe(step, fp)
+    arena.publish(step)
+    if root is not None and arena.rank != root:
+        return
+    arena.wait_all(step)
+    arena.check_peers(step, fp, what)
+    combine_all(op, [arena.slot(q, step)[:nbytes].view(buf.dtype) for q in range(arena.size)], buf)
+
+
+def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: tuple[int, int], what: str) -> None:
+    """Per slot-sized piece: write, publish, reduce my 1/p into the shared result, publish, copy out."""
+    size, me, dtype = arena.size, arena.rank, buf.dtype
+    raw = _raw(buf)
+    total = raw.nbytes
+    ref = lend(arena, raw, total)
+    piece = arena.slot_bytes // dtype.itemsize * dtype.itemsize
+    sources: list[np.ndarray | None] = []
+    wants_result = root is None or me == root
+    for lo in range(0, total, piece):
+        hi = min(total, lo + piece)
+        step = arena.claim()
+        if ref is None:
+            arena.slot(me, step)[:hi - lo] = raw[lo:hi]
+        if lo == 0:
+            arena.describe(step, fp, ref)
+        arena.publish(step)
+        arena.wait_all(step)
+        if lo == 0:
+            arena.check_peers(step, fp, what)
+            sources = [(raw if ref is not None else None) if q == me else arena.peer_buffer(step, q)
+                       for q in range(size)]
+        first, last = _bounds((hi - lo) // dtype.itemsize, size, me)
+        a, b = first * dtype.itemsize, last * dtype.itemsize
+        parts = [(arena.slot(q, step)[a:b] if src is None else src[lo + a:lo + b]).view(dtype)
+                 for q, src in enumerate(sources)]
+        result = arena.claim()  # the result lies in rank 0's slot of this step, 1/p written by each rank
+        combine_all(op, parts, arena.slot(0, result)[a:b].view(dtype))
+        arena.publish(result)
+        if wants_result or (ref is not None and hi == total):  # a lender waits until nobody reads it
+            arena.wait_all(result)
+        if wants_result:
+            raw[lo:hi] = arena.slot(0, result)[:hi - lo]
+
+
+# -- broadcast -----------------------------------------------------------------------------
+
+def _broadcast_cost(c: Costs, nbytes: int, size: int) -> float:
+    if size == 1:
+        return 0.0
+    return -(-max(nbytes, 1) // (1 << 20)) * _SYNC + 2 * nbytes * _COPY
+
+
+@algorithm("broadcast", "shm", cost=_broadcast_cost, direct=True)
+def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
+    """Shared-memory broadcast: root writes each piece once, every other rank copies it out.
+
+    Steps: per slot-sized piece, root writes it into its slot and publishes;
+    the others wait for root and copy it. With root's buffer in shared
+    memory, the others copy straight from it (one copy in all).
+    """
+    size, me = arena.size, arena.rank
+    if size == 1 or buf.size == 0:
+        return
+    raw = _raw(buf)
+    total = raw.nbytes
+    fp = fingerprint("broadcast", buf.dtype, total, root)
+    ref = lend(arena, raw, total) if me == root else None
+    if me == root:
+        step = arena.claim()
+        arena.describe(step, fp, ref)
+        if ref is None:
+            _broadcast_root_pieces(arena, raw, step)
+        else:
+            arena.publish(step)
+    else:
+        step = arena.skip()
+        arena.publish(step)
+        arena.wait_rank(root, step)
+        arena.check_peers(step, fp, "broadcast", [root])
+        source = arena.peer_buffer(step, root)
+        if source is None:
+            _broadcast_copy_pieces(arena, raw, step, root)
+        else:
+            raw[:] = source
+    finish_lending(arena, total, ref is not None)
+
+
+def _broadcast_root_pieces(arena: Arena, raw: np.ndarray, step: int) -> None:
+    """Root: write each piece into its slot and publish it (the first step is already claimed)."""
+    piece = arena.slot_bytes
+    for lo in range(0, raw.nbytes, piece):
+        hi = min(raw.nbytes, lo + piece)
+        if lo:
+            step = arena.claim()
+        arena.slot(arena.rank, step)[:hi - lo] = raw[lo:hi]
+        arena.publish(step)
+
+
+def _broadcast_copy_pieces(arena: Arena, raw: np.ndarray, step: int, root: int) -> None:
+    """Not root: copy each piece out of root's slot as soon as root published it."""
+    piece = arena.slot_bytes
+    for lo in range(0, raw.nbytes, piece):
+        hi = min(raw.nbytes, lo + piece)
+        if lo:
+            step = arena.skip()
+            arena.publish(step)  # done with the piece before: root may reuse its slot set
+            arena.wait_rank(root, step)
+        raw[lo:hi] = arena.slot(root, step)[:hi - lo]
+
+
+# -- barrier ---------------------------------------------------------------------------------
+
+def _barrier_cost(c: Costs, nbytes: int, size: int) -> float:
+    return _SYNC if size > 1 else 0.0
+
+
+@algorithm("barrier", "shm", cost=_barrier_cost, direct=True)
+def barrier(arena: Arena) -> None:
+    """Shared-memory barrier: publish one step, wait until every rank has published it.
+
+    Steps: one counter store per rank, then a poll (or sleep) until all
+    counters reach the step; a sleeping rank is woken by the last arrival.
+    """
+    if arena.size > 1:
+        step = arena.claim()  # a rank describes a call only in a claimed step (see tcoll.arena)
+        fp = fingerprint("barrier", np.dtype(np.uint8), 0)
+        arena.describe(step, fp)
+        arena.publish(step)
+        arena.wait_all(step)
+        arena.check_peers(step, fp, "barrier")
+

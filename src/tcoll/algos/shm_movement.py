@@ -1,0 +1,308 @@
+"""Shared-memory direct algorithms that move blocks: all_gather, gather, scatter, reduce_scatter, all_to_all.
+
+They follow tcoll.algos.shm_direct: per slot-sized step, the writers copy
+their pieces into their slots (or lend their shared buffer, see
+`Communicator.empty`) and publish; the readers copy (or reduce) straight
+out of the slots. Counts may differ per rank except in all_to_all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..arena import Arena
+from ..ops import Op
+from ..topology import displacements
+from .registry import Costs, algorithm
+from .shm_direct import _COPY, _REDUCE, _SYNC, combine_all, finish_lending, fingerprint, lend
+
+__all__: list[str] = []
+
+
+def _steps(counts: list[int], per_step: int) -> int:
+    return -(-max(counts, default=0) // max(per_step, 1))
+
+
+def _share(arena: Arena, item: int = 1) -> int:
+    """Bytes of each rank's share of a slot: whole items (item 1: data that is only moved, any bytes)."""
+    share = arena.slot_bytes // arena.size // item * item
+    if share == 0:  # the communicator's choice keeps reductions of such items off the arena
+        raise ValueError(f"items of {item} B do not fit the shared-memory slot ({arena.slot_bytes} B shared by "
+                         f"{arena.size} ranks); raise TCOLL_SHM_SLOT")
+    return share
+
+
+def _move_cost(c: Costs, nbytes: int, size: int) -> float:
+    if size == 1:
+        return 0.0
+    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * _SYNC + 2 * nbytes * _COPY
+
+
+def _a2a_cost(c: Costs, nbytes: int, size: int) -> float:
+    if size == 1:
+        return 0.0
+    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * _SYNC + 2 * (size - 1) / size * nbytes * _COPY
+
+
+def _rs_cost(c: Costs, nbytes: int, size: int) -> float:
+    return _move_cost(c, nbytes, size) + (size - 1) / size * nbytes * _REDUCE if size > 1 else 0.0
+
+
+@algorithm("all_gather", "shm", cost=_move_cost, direct=True)
+def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndarray | None = None) -> None:
+    """Shared-memory all_gather: every rank writes its block once; every rank copies all blocks out.
+
+    Steps: per slot-sized piece of the blocks, write this rank's piece,
+    publish, wait for all, copy the others' pieces into place. `source` (this
+    rank's block as the caller holds it) is lent in place when it lives in
+    shared memory.
+    """
+    size, me, item = arena.size, arena.rank, out.dtype.itemsize
+    raw = out.view(np.uint8)
+    total = raw.nbytes
+    if size == 1 or total == 0:
+        return
+    disp = [d * item for d in displacements(counts)]
+    nbytes = [n * item for n in counts]
+    own = raw[disp[me]:disp[me] + nbytes[me]] if source is None else source.reshape(-1).view(np.uint8)
+    ref = lend(arena, own, total)
+    fp = fingerprint("all_gather", out.dtype, total)
+    piece = arena.slot_bytes  # bytes: blocks are only moved
+    sources: list[np.ndarray | None] = []
+    for index in range(_steps(nbytes, piece)):
+        lo = index * piece
+        step = arena.claim()
+        if ref is None:
+            mine = own[lo:lo + piece]
+            arena.slot(me, step)[:mine.nbytes] = mine
+        if index == 0:
+            arena.describe(step, fp, ref)
+        arena.publish(step)
+        arena.wait_all(step)
+        if index == 0:
+            arena.check_peers(step, fp, "all_gather")
+            sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
+        for q in range(size):
+            src = sources[q]
+            if q == me or (src is not None and index):
+                continue  # a lent block is copied whole in the first step
+            hi = nbytes[q] if src is not None else min(nbytes[q], lo + piece)
+            if hi > lo:
+                raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo] if src is None else src[lo:hi]
+    finish_lending(arena, total, ref is not None)
+
+
+@algorithm("gather", "shm", cost=_move_cost, direct=True)
+def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[int], root: int) -> None:
+    """Shared-memory gather: the others write their blocks into their slots; root copies them out.
+
+    Steps: per slot-sized piece, every rank but root writes and publishes;
+    root waits for all and copies. Blocks in shared memory are read in place.
+    """
+    size, me, item = arena.size, arena.rank, send.dtype.itemsize
+    nbytes = [n * item for n in counts]
+    total = sum(nbytes)
+    if size == 1 or total == 0:
+        return
+    own = send.view(np.uint8)
+    fp = fingerprint("gather", send.dtype, total, root)
+    piece = arena.slot_bytes  # bytes: blocks are only moved
+    steps = _steps(nbytes, piece)
+    if me != root:
+        ref = lend(arena, own, total)
+        for index in range(steps):  # a lender takes every step too: step numbers stay equal on all ranks
+            lo = index * piece
+            step = arena.claim()
+            if ref is None:
+                arena.slot(me, step)[:max(0, min(nbytes[me], lo + piece) - lo)] = own[lo:lo + piece]
+            if index == 0:
+                arena.describe(step, fp, ref)
+            arena.publish(step)
+        finish_lending(arena, total, ref is not None)
+        return
+    assert out is not None
+    _gather_root(arena, out.view(np.uint8), nbytes, piece, steps, fp)
+    finish_lending(arena, total, False)
+
+
+def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, steps: int,
+                 fp: tuple[int, int]) -> None:
+    """Root of the shm gather: copy every other rank's pieces (or lent blocks) into `raw`."""
+    size, me = arena.size, arena.rank
+    disp = displacements(nbytes)
+    others = [q for q in range(size) if q != me]
+    sources: list[np.ndarray | None] = []
+    for index in range(steps):
+        lo = index * piece
+        step = arena.skip()
+        arena.publish(step)  # done with the step before: its writers may reuse their slots
+        if index == 0:
+            arena.wait_all(step)
+            arena.check_peers(step, fp, "gather", others)
+            sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
+        else:
+            for q in others:
+                if sources[q] is None and nbytes[q] > lo:
+                    arena.wait_rank(q, step)
+        for q in others:
+            src = sources[q]
+            if src is not None:
+                if index == 0:
+                    raw[disp[q]:disp[q] + nbytes[q]] = src
+                continue
+            hi = min(nbytes[q], lo + piece)
+            if hi > lo:
+                raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo]
+
+
+@algorithm("scatter", "shm", cost=_move_cost, direct=True)
+def scatter(arena: Arena, send: np.ndarray | None, out: np.ndarray, counts: list[int], root: int) -> None:
+    """Shared-memory scatter: root writes every other rank's piece into its slot; each copies its own.
+
+    Steps: per step, root writes a slot-sized share of every block (one
+    p-th of its slot per rank) and publishes; rank r waits for root and
+    copies its share. A root buffer in shared memory is read in place.
+    """
+    size, me, item = arena.size, arena.rank, out.dtype.itemsize
+    nbytes = [n * item for n in counts]
+    total = sum(nbytes)
+    if size == 1 or total == 0:
+        return
+    fp = fingerprint("scatter", out.dtype, total, root)
+    share = _share(arena)
+    disp = displacements(nbytes)
+    if me == root:
+        assert send is not None
+        raw = send.view(np.uint8)
+        ref = lend(arena, raw, total)
+        for index in range(1 if ref is not None else _steps(nbytes, share)):
+            lo = index * share
+            step = arena.claim()
+            if ref is None:
+                slot = arena.slot(me, step)
+                for q in range(size):
+                    hi = min(nbytes[q], lo + share)
+                    if q != me and hi > lo:
+                        slot[q * share:q * share + hi - lo] = raw[disp[q] + lo:disp[q] + hi]
+            if index == 0:
+                arena.describe(step, fp, ref)
+            arena.publish(step)
+        finish_lending(arena, total, ref is not None)
+        return
+    _scatter_receive(arena, out.view(np.uint8), nbytes, disp, share, root, fp)
+    finish_lending(arena, total, False)
+
+
+def _scatter_receive(arena: Arena, raw: np.ndarray, nbytes: list[int], disp: list[int], share: int, root: int,
+                     fp: tuple[int, int]) -> None:
+    """Not root: copy this rank's block out of root's slot step by step, or out of root's lent buffer."""
+    me = arena.rank
+    for index in range(_steps(nbytes, share)):
+        lo = index * share
+        step = arena.skip()
+        arena.publish(step)
+        arena.wait_rank(root, step)
+        if index == 0:
+            arena.check_peers(step, fp, "scatter", [root])
+            source = arena.peer_buffer(step, root)
+            if source is not None:
+                raw[:] = source[disp[me]:disp[me] + nbytes[me]]
+                return
+        hi = min(nbytes[me], lo + share)
+        if hi > lo:
+            raw[lo:hi] = arena.slot(root, step)[me * share:me * share + hi - lo]
+
+
+@algorithm("reduce_scatter", "shm", cost=_rs_cost, direct=True)
+def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list[int], op: Op) -> None:
+    """Shared-memory reduce_scatter: every rank writes a share of every block; rank r reduces block r.
+
+    Steps: per step, each rank writes a slot-sized share of all its blocks
+    (one p-th of the slot per block), publishes and waits for all; rank r
+    then reduces its block's share from every slot straight into `out`, in
+    rank order. A send buffer in shared memory is read in place.
+    """
+    size, me, dtype = arena.size, arena.rank, send.dtype
+    item = dtype.itemsize
+    nbytes = [n * item for n in counts]
+    total = sum(nbytes)
+    if size == 1:
+        out[...] = send[:counts[0]]
+        return
+    if total == 0:
+        return
+    raw = send.view(np.uint8)
+    ref = lend(arena, raw, total)
+    fp = fingerprint("reduce_scatter", dtype, total)
+    share = _share(arena, item)
+    disp = displacements(nbytes)
+    out_raw = out.view(np.uint8)
+    sources: list[np.ndarray | None] = []
+    for index in range(_steps(nbytes, share)):
+        lo = index * share
+        step = arena.claim()
+        if ref is None:
+            slot = arena.slot(me, step)
+            for q in range(size):
+                hi = min(nbytes[q], lo + share)
+                if hi > lo:
+                    slot[q * share:q * share + hi - lo] = raw[disp[q] + lo:disp[q] + hi]
+        if index == 0:
+            arena.describe(step, fp, ref)
+        arena.publish(step)
+        arena.wait_all(step)
+        if index == 0:
+            arena.check_peers(step, fp, "reduce_scatter")
+            sources = [raw if (q == me and ref is not None) else (None if q == me else arena.peer_buffer(step, q))
+                       for q in range(size)]
+        hi = min(nbytes[me], lo + share)
+        if hi > lo:
+            at, end = me * share, me * share + hi - lo
+            parts = [(arena.slot(q, step)[at:end] if src is None else src[disp[me] + lo:disp[me] + hi]).view(dtype)
+                     for q, src in enumerate(sources)]
+            combine_all(op, parts, out_raw[lo:hi].view(dtype))
+    finish_lending(arena, total, ref is not None)
+
+
+@algorithm("all_to_all", "shm", cost=_a2a_cost, uneven=False, direct=True)
+def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: list[int],
+               recv_counts: list[int]) -> None:
+    """Shared-memory all_to_all: each rank writes a share of every block; rank r copies block r of all.
+
+    Steps: per step, every rank writes a slot-sized share of the blocks it
+    sends (one p-th of its slot per destination), publishes, waits for all,
+    and copies its own share out of every slot. Equal counts only.
+    """
+    size, me, item = arena.size, arena.rank, send.dtype.itemsize
+    block = send_counts[0] * item
+    total = block * size
+    if size == 1 or total == 0:
+        return
+    raw, out_raw = send.view(np.uint8), out.view(np.uint8)
+    ref = lend(arena, raw, total)
+    fp = fingerprint("all_to_all", send.dtype, total)
+    share = _share(arena)
+    sources: list[np.ndarray | None] = []
+    for index in range(_steps([block], share)):
+        lo = index * share
+        hi = min(block, lo + share)
+        step = arena.claim()
+        if ref is None:
+            slot = arena.slot(me, step)
+            for q in range(size):
+                if q != me:
+                    slot[q * share:q * share + hi - lo] = raw[q * block + lo:q * block + hi]
+        if index == 0:
+            arena.describe(step, fp, ref)
+        arena.publish(step)
+        arena.wait_all(step)
+        if index == 0:
+            arena.check_peers(step, fp, "all_to_all")
+            sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
+        for q in range(size):
+            if q == me:
+                continue
+            src = sources[q]
+            out_raw[q * block + lo:q * block + hi] = (arena.slot(q, step)[me * share:me * share + hi - lo]
+                                                      if src is None else src[me * block + lo:me * block + hi])
+    finish_lending(arena, total, ref is not None)

@@ -1,0 +1,332 @@
+"""The shared-memory arena of a communicator whose ranks share one host.
+
+Every rank maps one segment. It holds, per rank, a *counter* (the number of
+steps the rank has published), a *descriptor* (what the current call is, and
+where the rank's zero-copy buffer lies), and two *slots* of `shm_slot` bytes
+that the rank writes and every other rank reads. The direct collectives
+(`tcoll.algos.shm_direct`) run as a sequence of steps, numbered alike on every
+rank; step k uses slot set k % 2:
+
+    writer:  claim(k)     wait until every rank has published step k-1, i.e.
+                          has finished reading step k-2, the last user of set k % 2
+             write its slot of set k % 2
+             publish(k)   counter = k + 1, then wake the ranks that sleep
+    reader:  wait_all(k) / wait_rank(q, k), then read the slots of step k
+
+Publishing step k also says "I have finished reading every earlier step", so
+one counter per rank orders everything: no locks, no atomic read-modify-write
+(a counter has one writer), and two slot sets let a fast rank run one step
+ahead of a slow one. Waiting is adaptive, like the engine's: poll the counters
+for the self-tuned spin budget (yielding the CPU at each poll when ranks
+outnumber cores), then sleep on this rank's doorbell, which the publisher of
+a step rings only when its owner sleeps; the same doorbell serves
+point-to-point traffic, so a sleeping rank still moves its messages.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError
+from .transport.shm_names import SHM_DIR, segment_name
+from .waiting import Doorbell, fence
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["Arena", "SETS"]
+
+SETS = 2  # slot sets: step k uses set k % SETS
+_DESC_WORDS = 8  # per rank and set: call fingerprint (2 words), zero-copy buffer (heap id, offset, nbytes)
+_NAME_BYTES = 128
+
+
+class Arena:
+    """One communicator's shared-memory arena (see the module docstring).
+
+    Made by `Arena.create` (a collective call over point-to-point), used by
+    the direct algorithms, closed with the communicator.
+
+    Attributes:
+        rank: this rank in the communicator.
+        size: the number of ranks.
+        slot_bytes: bytes of one slot.
+        step: the next step number (equal on every rank between calls).
+        timeout: seconds a wait may take before TimeoutError (the caller's timeout).
+        heap: this process's zero-copy heap (tcoll.shm_heap), or None.
+    """
+
+    def __init__(self, engine: Engine, world: list[int], rank: int, buf: mmap.mmap, slot_bytes: int,
+                 heap: Any) -> None:
+        self.rank = rank
+        self.size = len(world)
+        self.slot_bytes = slot_bytes
+        self.step = 0
+        self.timeout = engine.settings.timeout
+        self.heap = heap
+        self._engine = engine
+        self._world = world
+        self._map = buf
+        desc_at, data_at = _layout(self.size)
+        self._counters = memoryview(buf)[:8 * self.size].cast("Q")
+        self._desc = memoryview(buf)[desc_at:desc_at + 8 * _DESC_WORDS * SETS * self.size].cast("Q")
+        data = np.frombuffer(buf, dtype=np.uint8, offset=data_at)
+        self._slots = [[data[(s * self.size + q) * slot_bytes:(s * self.size + q + 1) * slot_bytes]
+                        for q in range(self.size)] for s in range(SETS)]
+        bells = [engine.channels[w].peer_doorbell() for w in world if w != engine.rank]  # type: ignore[union-attr]
+        self._bells: list[Doorbell] = [bell for bell in bells if bell is not None]
+        self.broken: BaseException | None = None
+
+    # -- setup --------------------------------------------------------------------
+
+    @staticmethod
+    def usable(engine: Engine, world: list[int]) -> bool:
+        """Whether every rank of `world` can share an arena with this one (one host, doorbells reachable)."""
+        for peer in world:
+            if peer == engine.rank:
+                continue
+            channel = engine.channels[peer]
+            if channel is None or channel.peer_doorbell() is None:
+                return False
+        return True
+
+    @classmethod
+    def create(cls, comm: Any) -> Arena:
+        """Make the arena of `comm` (collective: every rank of comm calls it at the same point).
+
+        Rank 0 creates the segment and broadcasts its name; every rank maps
+        it; after a barrier (all have mapped) rank 0 unlinks it, so nothing is
+        left in /dev/shm even if the job is killed later.
+
+        Raises:
+            TransportError: the segment cannot be created or mapped.
+        """
+        engine = comm._engine
+        # Rank 0's slot size rules (sent with the name), so a differing setting cannot skew the layout.
+        slot = max(64 * comm.size, (engine.settings.shm_slot + 63) & ~63)
+        name = np.zeros(_NAME_BYTES, dtype=np.uint8)
+        path = ""
+        failure: BaseException | None = None
+        if comm.rank == 0:
+            path = os.path.join(SHM_DIR, segment_name(comm.run_id or "local", engine.rank,
+                                                      "arena" + secrets.token_hex(6)))
+            try:
+                buf = _map_segment(path, _layout(comm.size)[1] + SETS * comm.size * slot, create=True)
+                encoded = f"{slot}:{path}".encode()
+                name[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+            except TransportError as exc:
+                failure = exc  # the others learn it from the empty name
+        comm._call_algorithm("broadcast", "binomial", name, 0)
+        if failure is not None:
+            raise failure
+        if comm.rank != 0:
+            text = bytes(name).rstrip(b"\0").decode()
+            if not text:
+                raise TransportError("rank 0 could not create the shared-memory collective arena")
+            slot_text, _, path = text.partition(":")
+            slot = int(slot_text)
+            buf = _map_segment(path, _layout(comm.size)[1] + SETS * comm.size * slot, create=False)
+        try:
+            comm._call_algorithm("barrier", "dissemination")
+        finally:
+            if comm.rank == 0:
+                _unlink(path)
+        from .shm_heap import heap_of
+
+        return cls(engine, comm._world, comm.rank, buf, slot, heap_of(engine, comm.run_id))
+
+    def close(self) -> None:
+        """Release the mapping (idempotent)."""
+        if self._map is None:
+            return
+        self._counters.release()
+        self._desc.release()
+        self._slots = []
+        try:
+            self._map.close()
+        except BufferError:  # a view is still referenced somewhere: the mapping goes with it
+            pass
+        self._map = None  # type: ignore[assignment]
+
+    # -- steps ----------------------------------------------------------------------
+
+    def slot(self, rank: int, step: int) -> np.ndarray:
+        """The slot (uint8) of `rank` for `step`."""
+        return self._slots[step % SETS][rank]
+
+    def claim(self) -> int:
+        """Take the next step number, waiting until its slot set is free to write.
+
+        Returns:
+            The step number k (every rank gets the same k for the same step).
+        """
+        step = self.step
+        self.step = step + 1
+        if step >= 1 and min(self._counters) < step:
+            self._wait(step, None)
+        return step
+
+    def skip(self) -> int:
+        """Take the next step number without writing anything in it (no wait)."""
+        step = self.step
+        self.step = step + 1
+        return step
+
+    def publish(self, step: int) -> None:
+        """Say this rank wrote its part of `step` and read everything before it; wake sleepers."""
+        self._counters[self.rank] = step + 1
+        fence()
+        for bell in self._bells:
+            if bell.sleepers:
+                bell.wake()
+
+    def wait_all(self, step: int) -> None:
+        """Wait until every rank has published `step`."""
+        if min(self._counters) <= step:
+            self._wait(step + 1, None)
+
+    def wait_rank(self, rank: int, step: int) -> None:
+        """Wait until `rank` has published `step`."""
+        if self._counters[rank] <= step:
+            self._wait(step + 1, rank)
+
+    def sync(self) -> None:
+        """A barrier through the arena: one step with nothing in it."""
+        step = self.skip()
+        self.publish(step)
+        self.wait_all(step)
+
+    # -- descriptors: what each rank's call is, and where its zero-copy buffer lies -----
+    # A call's descriptors sit in set (its first step % 2), written only in a
+    # claimed step: a rank that starts the next call cannot overwrite what a
+    # slower rank still checks for this one.
+
+    def describe(self, step: int, fingerprint: tuple[int, int], heap_ref: tuple[int, int, int] | None = None) -> None:
+        """Write this rank's call fingerprint and zero-copy buffer, before publishing the call's first `step`."""
+        at = self._desc_at(step, self.rank)
+        desc = self._desc
+        desc[at] = fingerprint[0]
+        desc[at + 1] = fingerprint[1]
+        if heap_ref is None:
+            desc[at + 2] = 0
+        else:
+            desc[at + 2], desc[at + 3], desc[at + 4] = heap_ref
+
+    def check_peers(self, step: int, fingerprint: tuple[int, int], what: str,
+                    ranks: range | list[int] | None = None) -> None:
+        """Raise MismatchError if a rank (all, or `ranks`, already waited for) described another call."""
+        desc = self._desc
+        for q in range(self.size) if ranks is None else ranks:
+            at = self._desc_at(step, q)
+            if desc[at] != fingerprint[0] or desc[at + 1] != fingerprint[1]:
+                raise self._fail(MismatchError(
+                    f"{what}: rank {q} made a different call at the same point (another collective, "
+                    f"root, dtype or size) than rank {self.rank}"))
+
+    def peer_buffer(self, step: int, rank: int) -> np.ndarray | None:
+        """The zero-copy buffer (uint8) `rank` described for the call starting at `step`, or None."""
+        at = self._desc_at(step, rank)
+        heap_id = self._desc[at + 2]
+        if not heap_id or self.heap is None:
+            return None
+        return self.heap.view(self._world[rank], heap_id, self._desc[at + 3], self._desc[at + 4])
+
+    def _desc_at(self, step: int, rank: int) -> int:
+        return ((step % SETS) * self.size + rank) * _DESC_WORDS
+
+    # -- failure ----------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        """Raise if an earlier call failed here: the ranks' step numbers may no longer agree."""
+        if self.broken is not None:
+            raise TcollError(f"an earlier shared-memory collective on this communicator failed ({self.broken}); "
+                             "its ranks are out of step, so the communicator cannot run more of them")
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        self.broken = exc
+        return exc
+
+    def _wait(self, target: int, rank: int | None) -> None:
+        """Wait until the counter of `rank` (None: every counter) reaches `target`: poll, then sleep."""
+        counters = self._counters
+        engine = self._engine
+        spin = engine.spin
+        start = time.monotonic()
+        budget, polite = spin.budget_s, spin.yield_while_polling
+        if rank is None:
+            def ready() -> bool:
+                return min(counters) >= target
+        else:
+            def ready() -> bool:
+                return counters[rank] >= target
+        while time.monotonic() - start < budget:
+            if ready():
+                spin.record(time.monotonic() - start, False)
+                return
+            if polite:
+                os.sched_yield()
+        deadline = start + self.timeout
+        interval = engine.settings.liveness_interval
+        next_probe = start + interval
+        while not ready():
+            now = time.monotonic()
+            if engine.closed:
+                raise self._fail(TcollError("the communicator was closed"))
+            if now >= deadline or now >= next_probe:
+                self._check_behind(target, rank, now >= deadline)
+                next_probe = now + interval
+            engine.block_unless(ready, min(next_probe, deadline) - now)
+        spin.record(time.monotonic() - start, True)
+
+    def _check_behind(self, target: int, rank: int | None, timed_out: bool) -> None:
+        """Fail if a rank we wait for is gone (PeerLostError) or the wait timed out (TimeoutError)."""
+        behind = [q for q in range(self.size) if (rank is None or q == rank) and self._counters[q] < target]
+        try:
+            self._engine.probe_peers([self._world[q] for q in behind])
+        except PeerLostError as exc:
+            raise self._fail(exc) from None
+        if timed_out:
+            raise self._fail(TimeoutError(
+                f"shared-memory collective (step {target - 1}) did not complete within {self.timeout:g} s; "
+                f"still waiting on rank(s) {behind}", behind))
+
+
+def _layout(size: int) -> tuple[int, int]:
+    """Byte offsets of the descriptors and of the slots, for `size` ranks (counters come first)."""
+    desc_at = (8 * size + 63) & ~63
+    data_at = (desc_at + 8 * _DESC_WORDS * SETS * size + 4095) & ~4095
+    return desc_at, data_at
+
+
+def _map_segment(path: str, size: int, create: bool) -> mmap.mmap:
+    """Create (and allocate) or open the segment at `path`, mapped shared and populated."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        raise TransportError(f"cannot {'create' if create else 'open'} the collective arena {path}: {exc}") from exc
+    try:
+        if create:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # fault the pages in now, not in the first collective
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError as exc:
+        if create:
+            _unlink(path)
+        raise TransportError(f"cannot map the collective arena {path} ({size} B): {exc}; a smaller "
+                             "TCOLL_SHM_SLOT or a larger /dev/shm may help") from exc
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

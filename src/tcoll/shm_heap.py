@@ -1,0 +1,169 @@
+"""Zero-copy buffers: arrays in shared memory that the other ranks of the host can read directly.
+
+`Communicator.empty` / `zeros` allocate here. Each buffer is its own file in
+/dev/shm (``tcoll-<run id>-<rank>-heap<id>``, the id random so that no earlier
+job's leftover can collide), mapped by its owner. When a
+direct collective (tcoll.algos.shm_direct) is given such a buffer, the rank
+publishes (heap id, offset, length) instead of copying its data into the
+arena; the readers map the file on first sight (and keep a bounded cache of
+mappings) and read straight from it. This is the counterpart of NCCL's
+user-buffer registration, without a registration call.
+
+A file lives as long as its array does (or until the world communicator
+closes); the mappings stay valid after the unlink, so a reader that already
+mapped a buffer keeps it. Readers keep at most `_PEER_MAPPED_BYTES` of other
+ranks' buffers mapped, and drop the mappings of files already removed first.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from .errors import TransportError
+from .transport.shm_names import SHM_DIR, segment_name
+
+__all__ = ["Heap", "heap_of"]
+
+_PEER_MAPPED_BYTES = 1 << 30  # other ranks' buffers kept mapped (freed ones are dropped first)
+
+
+class Heap:
+    """This process's zero-copy buffers, and its mappings of other ranks' buffers.
+
+    Args:
+        run_id: the job's name (part of every file name).
+        world_rank: this rank in the world.
+    """
+
+    def __init__(self, run_id: str, world_rank: int) -> None:
+        self._run_id = run_id or "local"
+        self._rank = world_rank
+        self._lock = threading.Lock()
+        self._own: dict[int, tuple[int, int]] = {}  # heap id -> (start address, nbytes)
+        self._peer_maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._closed = False
+
+    def _path(self, world_rank: int, heap_id: int) -> str:
+        return os.path.join(SHM_DIR, segment_name(self._run_id, world_rank, f"heap{heap_id}"))
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A new zero-filled uint8 array of `nbytes` bytes in shared memory.
+
+        Raises:
+            TransportError: /dev/shm is full or missing.
+        """
+        if self._closed:
+            raise TransportError("the communicator that owns this shared-memory heap is closed")
+        heap_id = secrets.randbits(62) | 1  # never 0, which descriptors use for "not lent"
+        path = self._path(self._rank, heap_id)
+        length = max(nbytes, 1)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create {path}: {exc}") from exc
+        try:
+            os.ftruncate(fd, length)
+            os.posix_fallocate(fd, 0, length)
+            buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as exc:
+            _unlink(path)
+            raise TransportError(f"cannot allocate {nbytes} B of shared memory in {SHM_DIR}: {exc}") from exc
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+        with self._lock:
+            self._own[heap_id] = (arr.__array_interface__["data"][0], nbytes)
+        weakref.finalize(buf, self._release, heap_id, path)
+        return arr
+
+    def _release(self, heap_id: int, path: str) -> None:
+        """The buffer's last array is gone: forget it and remove its file."""
+        with self._lock:
+            self._own.pop(heap_id, None)
+        _unlink(path)
+
+    def locate(self, arr: np.ndarray) -> tuple[int, int, int] | None:
+        """Where `arr` lies in this process's buffers: (heap id, byte offset, nbytes), or None."""
+        if not self._own:
+            return None
+        address = arr.__array_interface__["data"][0]
+        end = address + arr.nbytes
+        with self._lock:  # a finalizer on another thread may remove an entry meanwhile
+            owned = list(self._own.items())
+        for heap_id, (start, nbytes) in owned:
+            if start <= address and end <= start + nbytes:
+                return heap_id, address - start, arr.nbytes
+        return None
+
+    def view(self, world_rank: int, heap_id: int, offset: int, nbytes: int) -> np.ndarray:
+        """Bytes [offset, offset + nbytes) of buffer `heap_id` of `world_rank` (mapped on first use).
+
+        Raises:
+            TransportError: the buffer's file is gone (its owner freed it).
+        """
+        key = (world_rank, heap_id)
+        whole = self._peer_maps.get(key)
+        if whole is None:
+            whole = self._map_peer(world_rank, heap_id)
+            self._forget_peer_maps(whole.nbytes)
+            self._peer_maps[key] = whole
+        else:
+            self._peer_maps.move_to_end(key)
+        return whole[offset:offset + nbytes]
+
+    def _forget_peer_maps(self, incoming: int) -> None:
+        """Make room for `incoming` mapped bytes: drop freed buffers, then the least recently used.
+
+        A dropped mapping goes when its last view does, so its memory can return to the system.
+        """
+        for key in list(self._peer_maps):
+            if not os.path.exists(self._path(*key)):  # its owner freed it: nobody will lend it again
+                del self._peer_maps[key]
+        mapped = sum(view.nbytes for view in self._peer_maps.values())
+        while self._peer_maps and mapped + incoming > _PEER_MAPPED_BYTES:
+            mapped -= self._peer_maps.popitem(last=False)[1].nbytes
+
+    def _map_peer(self, world_rank: int, heap_id: int) -> np.ndarray:
+        path = self._path(world_rank, heap_id)
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                buf = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise TransportError(f"rank {world_rank}'s shared buffer {heap_id} cannot be mapped: {exc}") from exc
+        return np.frombuffer(buf, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Remove this process's files (arrays stay usable) and drop the peer mappings."""
+        with self._lock:
+            own, self._own = self._own, {}
+            self._closed = True
+        for heap_id in own:
+            _unlink(self._path(self._rank, heap_id))
+        self._peer_maps.clear()
+
+
+def heap_of(engine: Any, run_id: str) -> Heap:
+    """The heap of this engine's process (made on first use, removed when the engine closes)."""
+    heap = getattr(engine, "heap", None)
+    if heap is None:
+        heap = engine.heap = Heap(run_id, engine.rank)
+        engine.closers.append(heap.close)
+    return heap
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
