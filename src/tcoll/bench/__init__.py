@@ -1,1 +1,1 @@
-"""Benchmarks: `tcoll bench p2p` (point-to-point latency and bandwidth)."""
+"""Benchmarks: `tcoll bench p2p` (point-to-point) and `tcoll bench <collective>` (nccl-tests style, with --compare gloo,mpi)."""

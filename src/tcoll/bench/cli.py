@@ -1,35 +1,214 @@
-"""`tcoll bench`: the benchmark commands (argparse only; the work is in the bench modules)."""
+"""`tcoll bench`: the benchmark commands (argparse only; the work is in the bench modules).
+
+    tcoll bench p2p [-b 8] [-e 256M] [-f 4] [--transports shm,tcp]
+    tcoll bench all_reduce -n 4 -b 8 -e 256M -f 4 [-d float32] [-o sum] [--check]
+        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi] [--load K]
+        [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import signal
 import sys
+from typing import Any
 
 from ..env import parse_size
+from .collectives import CASES, DTYPES, OPS
 from .machine import describe_machine
 from .p2p import P2PRow, run_p2p, sizes_between
+from .report import (
+    PlotUnavailable,
+    Progress,
+    aggregate,
+    check_plot,
+    format_tables,
+    plot,
+    write_json,
+)
+from .runner import BenchConfig, BenchError, LoadGenerator, run_bench
 
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Fill the `tcoll bench` subparser."""
-    parser.add_argument("case", choices=["p2p"], help="what to measure: p2p = ping-pong latency and bandwidth")
-    parser.add_argument("-b", "--minbytes", default="8", help="smallest message (default 8)")
-    parser.add_argument("-e", "--maxbytes", default="256M", help="largest message (default 256M)")
+    parser.add_argument("case", metavar="case",
+                        help="p2p (ping-pong latency and bandwidth), a collective (" + ", ".join(CASES) +
+                             "), several separated by commas, or 'all'")
+    parser.add_argument("-b", "--minbytes", default="8", help="smallest size (default 8)")
+    parser.add_argument("-e", "--maxbytes", default="256M", help="largest size (default 256M)")
     parser.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows (default 4)")
-    parser.add_argument("--transports", default="shm,tcp", help="comma-separated (default shm,tcp)")
-    parser.add_argument("--repeats", type=int, default=3, help="repetitions per size; medians reported (default 3)")
-    parser.add_argument("--no-raw-tcp", dest="raw_tcp", action="store_false",
-                        help="skip the plain TCP loopback socket reference")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions; medians reported (default 3)")
     parser.add_argument("--json", metavar="FILE", help="also write every sample as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    group = parser.add_argument_group("collectives")
+    group.add_argument("-n", "--nranks", type=int, default=2, help="ranks (default 2)")
+    group.add_argument("-d", "--dtype", default="float32", choices=DTYPES, help="element type (default float32)")
+    group.add_argument("-o", "--op", default="sum", choices=OPS, help="reduction op (default sum)")
+    group.add_argument("-r", "--root", type=int, default=0, help="root of rooted collectives (default 0)")
+    group.add_argument("--algorithm", default="auto",
+                       help="tcoll algorithm: auto (default), a name of tcoll.algorithms(case), or all")
+    group.add_argument("--buffers", default="plain", choices=["plain", "shm", "both"],
+                       help="tcoll buffers: plain NumPy arrays, comm.empty shared memory, or both (default plain)")
+    group.add_argument("--check", action="store_true", help="count wrong result elements (#wrong) per size")
+    group.add_argument("--iters", type=int, help="timed calls per size (default: adaptive, 5..1000)")
+    group.add_argument("--warmup", type=int,
+                       help="warm-up calls per size, at least 1 (the first shows whether a call can run; "
+                            "default: adaptive, 2..20)")
+    group.add_argument("--compare", default="", metavar="gloo,mpi",
+                       help="also measure torch.distributed gloo and/or mpi4py (MPICH)")
+    group.add_argument("--load", type=int, default=0, metavar="K",
+                       help="run K busy processes during the whole measurement")
+    group.add_argument("--plot", metavar="FILE.png", help="plot busbw and time vs size (needs matplotlib)")
+    group.add_argument("--timeout", type=float, default=1800.0,
+                       help="seconds one implementation's sweep may take (default 1800)")
+    group = parser.add_argument_group("p2p")
+    group.add_argument("--transports", default="shm,tcp", help="comma-separated (default shm,tcp)")
+    group.add_argument("--no-raw-tcp", dest="raw_tcp", action="store_false",
+                       help="skip the plain TCP loopback socket reference")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run a benchmark and print its table."""
+    if args.case == "p2p":
+        return _main_p2p(args)
+    try:
+        config = _config(args)
+    except UsageError as exc:
+        print(f"tcoll bench: {exc}", file=sys.stderr)
+        return 2
+    return _main_collectives(args, config)
+
+
+class UsageError(ValueError):
+    """A bad combination of options (exit code 2)."""
+
+
+def _cases(text: str) -> list[str]:
+    names = list(CASES) if text == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CASES]
+    if unknown or not names:
+        raise UsageError(f"unknown case {', '.join(unknown) or text!r}; choose p2p, all, or from "
+                         f"{', '.join(CASES)}")
+    return names
+
+
+def _targets(text: str) -> list[str]:
+    """The compare targets asked for that can run here; the others are noted on stderr."""
+    from .compare import TARGETS, missing
+
+    targets = []
+    for name in dict.fromkeys(t.strip() for t in text.split(",") if t.strip()):
+        if name not in TARGETS:
+            raise UsageError(f"unknown compare target {name!r}; choose from {', '.join(TARGETS)}")
+        why = missing(name)
+        if why is None:
+            targets.append(name)
+        else:
+            print(f"# compare: {name} skipped: {why}", file=sys.stderr)
+    return targets
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    """The run's configuration from the arguments, every check made before anything starts."""
+    from .. import Communicator, algorithms
+
+    cases = _cases(args.case)
+    if args.nranks < 1 or not 0 <= args.root < args.nranks:
+        raise UsageError(f"need -n >= 1 and 0 <= root < n (got -n {args.nranks}, root {args.root})")
+    if args.repeats < 1 or (args.iters is not None and args.iters < 1) or args.load < 0:
+        raise UsageError("--repeats and --iters must be at least 1, --load at least 0")
+    if args.algorithm not in ("auto", "all"):
+        for case in cases:
+            if args.algorithm not in algorithms(case):
+                raise UsageError(f"{case} has no algorithm {args.algorithm!r}; choose auto, all, or one of "
+                                 f"{', '.join(algorithms(case))}")
+    buffers = ["plain", "shm"] if args.buffers == "both" else [args.buffers]
+    if "shm" in buffers and not hasattr(Communicator, "empty"):
+        raise UsageError("--buffers shm needs Communicator.empty (shared-memory arrays), which this tcoll does "
+                         "not have; use --buffers plain")
+    if args.plot:
+        try:
+            check_plot()
+        except PlotUnavailable as exc:
+            raise UsageError(str(exc)) from None
+    try:
+        sizes = sizes_between(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return BenchConfig(cases=cases, n=args.nranks, sizes=sizes, dtype=args.dtype, op=args.op, root=args.root,
+                       algorithm=args.algorithm, buffers=buffers, compare=_targets(args.compare),
+                       repeats=args.repeats, iters=args.iters, warmup=args.warmup, check=args.check,
+                       timeout=args.timeout)
+
+
+def _header(config: BenchConfig, load: int) -> dict[str, Any]:
+    from .compare import versions
+
+    timing = (f"{config.iters} timed calls" if config.iters else "adaptive timed calls (5..1000)") + \
+        f", median of {config.repeats} repeats (min in --json), time = max over ranks"
+    return {"machine": describe_machine(), "versions": versions(config.compare), "n": config.n,
+            "dtype": config.dtype, "op": config.op, "root": config.root, "buffers": ",".join(config.buffers),
+            "algorithm": config.algorithm, "load": load, "check": config.check, "timing": timing,
+            "argv": sys.argv[1:]}
+
+
+def _print_header(header: dict[str, Any]) -> None:
+    versions = ", ".join(f"{name} {version}" for name, version in header["versions"].items())
+    load = f"{header['load']} busy processes" if header["load"] else "none added"
+    lines = [f"machine: {header['machine']}", f"versions: {versions}",
+             (f"ranks: {header['n']}, dtype {header['dtype']}, op {header['op']}, root {header['root']}, "
+              f"tcoll buffers {header['buffers']}, tcoll algorithm {header['algorithm']}"),
+             f"load: {load}", f"timing: {header['timing']}"]
+    print("\n".join("# " + line for line in lines), file=sys.stderr)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds: the load and the ranks are stopped on the way out
+
+
+def _main_collectives(args: argparse.Namespace, config: BenchConfig) -> int:
+    header = _header(config, args.load)
+    _print_header(header)
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        with LoadGenerator(args.load):
+            outcome = run_bench(config, Progress())
+    except BenchError as exc:
+        print(f"tcoll bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tcoll bench: interrupted (ranks and load stopped)", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    header["info"] = outcome["info"]
+    for impl, info in outcome["info"].items():
+        details = ", ".join(f"{key} {', '.join(v) if isinstance(v, list) else v}" for key, v in info.items())
+        print(f"# {impl}: {details}", file=sys.stderr)
+    results = aggregate(outcome["samples"])
+    print(format_tables(results, markdown=args.markdown))
+    if args.json:
+        write_json(args.json, header, results, outcome["samples"])
+    if args.plot:
+        plot(results, args.plot)
+    errors = {(r.impl, r.variant if r.impl == "tcoll" else "", r.case, r.error) for r in results if r.error}
+    for impl, variant, case, error in sorted(errors):
+        print(f"# {impl} {variant + ' ' if variant else ''}cannot run {case} ('-' in the table): {error}",
+              file=sys.stderr)
+    failed = 0
+    for r in results:
+        if r.wrong:
+            print(f"# WRONG: {r.impl} {r.variant if r.impl == 'tcoll' else ''} {r.case} at {r.nbytes} B: "
+                  f"{r.wrong} wrong elements", file=sys.stderr)
+            failed += r.impl == "tcoll"
+    return 1 if failed else 0
+
+
+def _main_p2p(args: argparse.Namespace) -> int:
     sizes = sizes_between(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     transports = [name.strip() for name in args.transports.split(",") if name.strip()]
     print(f"# machine: {describe_machine()}", file=sys.stderr)

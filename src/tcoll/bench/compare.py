@@ -1,0 +1,176 @@
+"""The compare targets: torch.distributed with gloo, and mpi4py with MPICH.
+
+Each runs the same plan as tcoll (`runner.sweep`) in its own processes:
+gloo as n `python -m tcoll.bench.gloo_worker` subprocesses meeting at
+127.0.0.1 on a free port; MPI as `mpiexec -n N python -m tcoll.bench.mpi_worker`.
+The plan goes in a JSON file; rank 0 writes its rows to another.
+A target that is not installed is skipped with a note, never an error.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .runner import BenchError
+
+__all__ = ["TARGETS", "missing", "mpiexec", "run_gloo", "run_mpi", "versions"]
+
+TARGETS = ("gloo", "mpi")
+_HINT = "pip install tcoll[compare]"
+
+
+def mpiexec() -> str | None:
+    """The mpiexec next to this Python (MPICH from PyPI installs it there), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
+def missing(target: str) -> str | None:
+    """Why `target` cannot run here, or None if it can."""
+    if target == "gloo":
+        if importlib.util.find_spec("torch") is None:
+            return f"torch is not installed ({_HINT})"
+        return None
+    if target == "mpi":
+        if importlib.util.find_spec("mpi4py") is None:
+            return f"mpi4py is not installed ({_HINT})"
+        if mpiexec() is None:
+            return f"no mpiexec found ({_HINT} installs MPICH's)"
+        return None
+    return f"unknown compare target (choose from {', '.join(TARGETS)})"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions(targets: list[str]) -> dict[str, str]:
+    """Versions of tcoll and the compare targets, without importing them (cheap)."""
+    from .. import __version__
+
+    found = {"tcoll": __version__}
+    if "gloo" in targets:
+        found["torch"] = _version("torch") or "?"
+    if "mpi" in targets:
+        found["mpi4py"] = _version("mpi4py") or "?"
+        mpich = _version("mpich")
+        found["mpi library"] = f"MPICH {mpich} (PyPI)" if mpich else "the MPI library mpi4py finds"
+    return found
+
+
+def _env() -> dict[str, str]:
+    """The environment of worker processes: this tcoll importable, quiet warnings."""
+    src = str(Path(__file__).resolve().parent.parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return "".join(handle.readlines()[-lines:]).rstrip()
+    except OSError:
+        return ""
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait for every process; on a failure or the deadline kill the rest. Raises BenchError."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            code = proc.poll()
+            if code is None:
+                continue
+            pending.remove(proc)
+            if code != 0:
+                raise BenchError(f"a rank process exited with code {code}")
+        if pending:
+            if time.monotonic() > deadline:
+                raise BenchError(f"did not finish within {timeout:.0f} s")
+            try:
+                pending[0].wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill each process's group (each was started in its own session) and reap it."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
+def _launch(target: str, commands: list[tuple[list[str], dict[str, str]]], plan: dict[str, Any],
+            timeout: float) -> dict[str, Any]:
+    """Run the commands (plan file and output file appended), wait, read rank 0's output."""
+    with tempfile.TemporaryDirectory(prefix=f"tcoll-bench-{target}-") as tmp:
+        plan_path, out_path, log_path = (os.path.join(tmp, name) for name in ("plan.json", "out.json", "log"))
+        with open(plan_path, "w") as handle:
+            json.dump(plan, handle)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            with open(log_path, "wb") as log:
+                for command, env in commands:
+                    procs.append(subprocess.Popen([*command, plan_path, out_path], env=env, stdin=subprocess.DEVNULL,
+                                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                _wait_all(procs, timeout)
+        except BenchError as exc:
+            raise BenchError(f"{target}: {exc}\n{_tail(log_path)}") from None
+        finally:
+            _kill(procs)
+        try:
+            with open(out_path) as handle:
+                return json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise BenchError(f"{target}: rank 0 wrote no results ({exc})\n{_tail(log_path)}") from None
+
+
+def run_gloo(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Sweep the plan with torch.distributed (gloo, CPU tensors) on n subprocesses."""
+    port = _free_port()
+    commands = []
+    for rank in range(n):
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                   LOCAL_RANK=str(rank))
+        commands.append(([sys.executable, "-m", "tcoll.bench.gloo_worker"], env))
+    return _launch("gloo", commands, plan, timeout)
+
+
+def run_mpi(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Sweep the plan with mpi4py on `mpiexec -n N` processes."""
+    launcher = mpiexec()
+    if launcher is None:
+        raise BenchError("mpi: no mpiexec found")
+    command = [launcher, "-n", str(n), sys.executable, "-m", "tcoll.bench.mpi_worker"]
+    return _launch("mpi", [(command, _env())], plan, timeout)
