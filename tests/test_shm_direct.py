@@ -218,7 +218,8 @@ def test_a_mismatched_call_is_an_error_on_every_rank() -> None:
 def late_rank(comm: tcoll.Communicator) -> dict[str, Any]:
     comm.barrier(algorithm="shm")  # the arena exists (its setup is collective)
     if comm.rank == 2:
-        comm.recv(np.zeros(1), 0, tag=9)  # arrives only after rank 0 gave up
+        for peer in (0, 1):
+            comm.recv(np.zeros(1), peer, tag=9)  # arrives only after that rank gave up
         return {}
     comm.timeout = 0.5
     start = time.monotonic()
@@ -228,8 +229,7 @@ def late_rank(comm: tcoll.Communicator) -> dict[str, Any]:
     except tcoll.TimeoutError as exc:
         outcome = {"type": "TimeoutError", "peers": exc.peers, "message": str(exc)}
     outcome["elapsed"] = time.monotonic() - start
-    if comm.rank == 0:
-        comm.send(np.zeros(1), 2, tag=9)
+    comm.send(np.zeros(1), 2, tag=9)
     return outcome
 
 

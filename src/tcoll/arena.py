@@ -81,6 +81,7 @@ class Arena:
                         for q in range(self.size)] for s in range(SETS)]
         bells = [engine.channels[w].peer_doorbell() for w in world if w != engine.rank]  # type: ignore[union-attr]
         self._bells: list[Doorbell] = [bell for bell in bells if bell is not None]
+        self._typed: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
         self.broken: BaseException | None = None
 
     # -- setup --------------------------------------------------------------------
@@ -148,6 +149,7 @@ class Arena:
         self._counters.release()
         self._desc.release()
         self._slots = []
+        self._typed = {}
         try:
             self._map.close()
         except BufferError:  # a view is still referenced somewhere: the mapping goes with it
@@ -159,6 +161,16 @@ class Arena:
     def slot(self, rank: int, step: int) -> np.ndarray:
         """The slot (uint8) of `rank` for `step`."""
         return self._slots[step % SETS][rank]
+
+    def typed_slots(self, step: int, dtype: np.dtype, nbytes: int) -> list[np.ndarray]:
+        """Every rank's slot for `step` as `dtype` views of its first `nbytes` bytes (cached: calls repeat)."""
+        key = (step % SETS, dtype, nbytes)
+        views = self._typed.get(key)
+        if views is None:
+            if len(self._typed) >= 256:
+                self._typed.clear()
+            views = self._typed[key] = [slot[:nbytes].view(dtype) for slot in self._slots[step % SETS]]
+        return views
 
     def claim(self) -> int:
         """Take the next step number, waiting until its slot set is free to write.

@@ -7,6 +7,8 @@ object, which is how a receive lands in place.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import numpy as np
@@ -149,7 +151,9 @@ def _torch_typed(tensor: Any, what: str) -> np.ndarray:
     return raw.view(dtype).reshape(tuple(tensor.shape))
 
 
+@functools.lru_cache(maxsize=None)
 def _numpy_dtype_of(torch_dtype: Any) -> np.dtype:
+    """The NumPy dtype of a torch dtype (cached: collectives on tensors ask on every call)."""
     import torch
 
     if torch_dtype == torch.bfloat16:

@@ -20,6 +20,8 @@ components and of oneCCL, reduced to a step counter per rank.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..arena import Arena
@@ -41,7 +43,12 @@ _CODES = {name: code for code, name in enumerate(("all_reduce", "reduce", "broad
 
 def fingerprint(collective: str, dtype: np.dtype, nbytes: int, root: int = 0) -> tuple[int, int]:
     """Two words that differ when two ranks make different calls at the same point."""
-    return (_CODES[collective] | root << 8 | dtype.itemsize << 32 | ord(dtype.char) << 48), nbytes
+    return (_CODES[collective] | root << 8 | _dtype_code(dtype) << 32), nbytes
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_code(dtype: np.dtype) -> int:
+    return dtype.itemsize | ord(dtype.char) << 16
 
 
 def _bounds(count: int, parts: int, index: int) -> tuple[int, int]:
@@ -132,17 +139,16 @@ def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None, what
 
 def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: tuple[int, int], what: str) -> None:
     """One step: every rank writes its vector; each rank that wants the result reduces all slots."""
-    raw = _raw(buf)
-    nbytes = raw.nbytes
     step = arena.claim()
-    arena.slot(arena.rank, step)[:nbytes] = raw
+    slots = arena.typed_slots(step, buf.dtype, buf.nbytes)
+    slots[arena.rank][...] = buf
     arena.describe(step, fp)
     arena.publish(step)
     if root is not None and arena.rank != root:
         return
     arena.wait_all(step)
     arena.check_peers(step, fp, what)
-    combine_all(op, [arena.slot(q, step)[:nbytes].view(buf.dtype) for q in range(arena.size)], buf)
+    combine_all(op, slots, buf)
 
 
 def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: tuple[int, int], what: str) -> None:
