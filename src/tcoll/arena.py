@@ -234,9 +234,11 @@ class Arena:
                     ranks: range | list[int] | None = None) -> None:
         """Raise MismatchError if a rank (all, or `ranks`, already waited for) described another call."""
         desc = self._desc
+        base = (step % SETS) * self.size * _DESC_WORDS
+        first, second = fingerprint
         for q in range(self.size) if ranks is None else ranks:
-            at = self._desc_at(step, q)
-            if desc[at] != fingerprint[0] or desc[at + 1] != fingerprint[1]:
+            at = base + q * _DESC_WORDS
+            if desc[at] != first or desc[at + 1] != second:
                 raise self._fail(MismatchError(
                     f"{what}: rank {q} made a different call at the same point (another collective, "
                     f"root, dtype or size) than rank {self.rank}"))

@@ -209,7 +209,7 @@ class CollectiveMethods:
             TypeError: the op does not apply to the dtype; x is not a buffer.
             ValueError: x is not contiguous or is read-only; unknown algorithm.
         """
-        flat, op = self._reduce_input(x, op, "all_reduce")
+        flat, op = self._reduce_input(x, op, "all_reduce buffer")
         info = self._choose("all_reduce", algorithm, flat.nbytes, op, blocking=not async_op,
                             itemsize=flat.itemsize)
         if info.direct:
@@ -243,7 +243,7 @@ class CollectiveMethods:
             TypeError, ValueError: as all_reduce; root out of range.
         """
         self._check_root(root)
-        arr, op = self._reduce_input(x, op, "reduce", writable=self.rank == root)
+        arr, op = self._reduce_input(x, op, "reduce buffer", writable=self.rank == root)
         flat = arr.reshape(-1)
         info = self._choose("reduce", algorithm, flat.nbytes, op, blocking=not async_op, itemsize=flat.itemsize)
         if info.direct:
@@ -309,7 +309,7 @@ class CollectiveMethods:
             ValueError: x.shape[0] does not divide by size; out has the wrong shape or dtype.
             TypeError: the op does not apply to the dtype.
         """
-        arr, op = self._reduce_input(x, op, "reduce_scatter", writable=False)
+        arr, op = self._reduce_input(x, op, "reduce_scatter buffer", writable=False)
         if arr.ndim == 0 or arr.shape[0] % self.size:
             raise ValueError(f"reduce_scatter splits x along axis 0 into {self.size} equal parts; "
                              f"x has shape {arr.shape} (use reduce_scatterv for uneven parts)")
@@ -365,7 +365,7 @@ class CollectiveMethods:
         Returns:
             (flat view if `writable`, else the view in its own shape; the resolved op).
         """
-        arr = as_array(x, writable=writable, what=f"{what} buffer")
+        arr = as_array(x, writable=writable, what=what)
         resolved = as_op(op)
         resolved.check(arr.dtype)
         return (arr.reshape(-1) if writable else arr), resolved

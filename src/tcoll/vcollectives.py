@@ -314,7 +314,7 @@ class VCollectiveMethods(_Base):
                 the wrong shape or dtype; the algorithm needs equal counts.
             TypeError: the op does not apply to the dtype.
         """
-        arr, op = self._reduce_input(x, op, "reduce_scatterv", writable=False)
+        arr, op = self._reduce_input(x, op, "reduce_scatterv buffer", writable=False)
         if arr.ndim == 0:
             raise ValueError("reduce_scatterv splits x along axis 0; x is 0-d")
         rows = self._check_counts(counts, arr.shape[0])
