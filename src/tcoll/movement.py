@@ -42,11 +42,11 @@ class MovementMethods(CollectiveMethods):
         arr = as_array(x, writable=False, what="all_gather input")
         user_out, out_flat = self._output(x, arr, out, (self.size, *arr.shape), "all_gather")
         count = arr.size
-        out_flat[self.rank * count:(self.rank + 1) * count] = arr.reshape(-1)
         info = self._choose("all_gather", algorithm, arr.nbytes, blocking=not async_op)
-        if info.direct:
+        if info.direct:  # it copies this rank's block too, piece by piece, from cache
             self._run_direct(info, out_flat, [count] * self.size, source=arr)
             return user_out
+        out_flat[self.rank * count:(self.rank + 1) * count] = arr.reshape(-1)
         team = self._team()
 
         def body() -> Algorithm:

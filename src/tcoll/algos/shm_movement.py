@@ -53,43 +53,39 @@ def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndar
     """Shared-memory all_gather: every rank writes its block once; every rank copies all blocks out.
 
     Steps: per slot-sized piece of the blocks, write this rank's piece,
-    publish, wait for all, copy the others' pieces into place. `source` (this
-    rank's block as the caller holds it) is lent in place when it lives in
-    shared memory.
+    publish, wait for all, copy the pieces into place from the slots (this
+    rank's own too when `source`, its block as the caller holds it, is
+    given: the piece is still in cache). Blocks in shared memory are not read
+    in place: every rank reads every block, and reading it from a slot still
+    in cache costs less than a second pass over DRAM.
     """
     size, me, item = arena.size, arena.rank, out.dtype.itemsize
     raw = out.view(np.uint8)
     total = raw.nbytes
     if size == 1 or total == 0:
+        if source is not None:
+            out[...] = source.reshape(-1)
         return
     disp = [d * item for d in displacements(counts)]
     nbytes = [n * item for n in counts]
     own = raw[disp[me]:disp[me] + nbytes[me]] if source is None else source.reshape(-1).view(np.uint8)
-    ref = lend(arena, own, total)
     fp = fingerprint("all_gather", out.dtype, total)
     piece = arena.slot_bytes  # bytes: blocks are only moved
-    sources: list[np.ndarray | None] = []
     for index in range(_steps(nbytes, piece)):
         lo = index * piece
         step = arena.claim()
-        if ref is None:
-            mine = own[lo:lo + piece]
-            arena.slot(me, step)[:mine.nbytes] = mine
+        mine = own[lo:lo + piece]
+        arena.slot(me, step)[:mine.nbytes] = mine
         if index == 0:
-            arena.describe(step, fp, ref)
+            arena.describe(step, fp)
         arena.publish(step)
         arena.wait_all(step)
         if index == 0:
             arena.check_peers(step, fp, "all_gather")
-            sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
         for q in range(size):
-            src = sources[q]
-            if q == me or (src is not None and index):
-                continue  # a lent block is copied whole in the first step
-            hi = nbytes[q] if src is not None else min(nbytes[q], lo + piece)
-            if hi > lo:
-                raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo] if src is None else src[lo:hi]
-    finish_lending(arena, total, ref is not None)
+            hi = min(nbytes[q], lo + piece)
+            if hi > lo and (q != me or source is not None):
+                raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo]
 
 
 @algorithm("gather", "shm", cost=_move_cost, direct=True)

@@ -25,6 +25,9 @@ MASTER_PORT                 a port for torch's own TCPStore, different from
                             must agree without talking, and torch's rank 0
                             binds it itself)
 PYTHONUNBUFFERED            "1", so output reaches the launcher at once
+OMP_NUM_THREADS             "1" when several ranks start and it is not set
+                            (as torchrun does: a thread pool per core in every
+                            rank would oversubscribe the cores many times over)
 ==========================  ================================================
 """
 
@@ -191,4 +194,6 @@ class LaunchConfig:
             "MASTER_ADDR": host, "MASTER_PORT": str(torch_port),
             "PYTHONUNBUFFERED": "1",
         })
+        if self.nprocs > 1:  # as torchrun does: ranks sharing a host's cores must not each start a thread pool per core
+            env.setdefault("OMP_NUM_THREADS", "1")
         return env
