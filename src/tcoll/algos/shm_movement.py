@@ -32,6 +32,15 @@ def _share(arena: Arena, item: int = 1) -> int:
     return share
 
 
+def _write_shares(slot: np.ndarray, raw: np.ndarray, nbytes: list[int], disp: list[int], lo: int, share: int,
+                  skip: int = -1) -> None:
+    """Copy bytes [lo, lo + share) of every block q of `raw` (but `skip`) to share q of `slot`."""
+    for q in range(len(nbytes)):
+        hi = min(nbytes[q], lo + share)
+        if q != skip and hi > lo:
+            slot[q * share:q * share + hi - lo] = raw[disp[q] + lo:disp[q] + hi]
+
+
 def _move_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
@@ -175,11 +184,7 @@ def scatter(arena: Arena, send: np.ndarray | None, out: np.ndarray, counts: list
             lo = index * share
             step = arena.claim()
             if ref is None:
-                slot = arena.slot(me, step)
-                for q in range(size):
-                    hi = min(nbytes[q], lo + share)
-                    if q != me and hi > lo:
-                        slot[q * share:q * share + hi - lo] = raw[disp[q] + lo:disp[q] + hi]
+                _write_shares(arena.slot(me, step), raw, nbytes, disp, lo, share, skip=me)
             if index == 0:
                 arena.describe(step, fp, ref)
             arena.publish(step)
@@ -238,11 +243,7 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
         lo = index * share
         step = arena.claim()
         if ref is None:
-            slot = arena.slot(me, step)
-            for q in range(size):
-                hi = min(nbytes[q], lo + share)
-                if hi > lo:
-                    slot[q * share:q * share + hi - lo] = raw[disp[q] + lo:disp[q] + hi]
+            _write_shares(arena.slot(me, step), raw, nbytes, disp, lo, share)
         if index == 0:
             arena.describe(step, fp, ref)
         arena.publish(step)
