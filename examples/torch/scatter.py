@@ -1,0 +1,47 @@
+# Scatter with torch.distributed on the tcoll backend.
+# From the torch.distributed walk-through "Collective Communication in Distributed
+# Systems with PyTorch" (Roboflow blog, 2023), unchanged except for the backend
+# name: "gloo" became "tcoll". Run it with `python examples/torch/scatter.py`.
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def init_process(rank: int, size: int, fn: Callable[[int, int], None], backend="tcoll"):
+    """Initialize the distributed environment."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = "29500"
+    dist.init_process_group(backend, rank=rank, world_size=size)
+    fn(rank, size)
+
+
+def do_scatter(rank: int, size: int):
+    # create a group with all processors
+    group = dist.new_group(list(range(size)))
+    tensor = torch.empty(1)
+    # sending all tensors from rank 0 to the others
+    if rank == 0:
+        tensor_list = [torch.tensor([i + 1], dtype=torch.float32) for i in range(size)]
+        # tensor_list = [tensor(1), tensor(2), tensor(3), tensor(4)]
+        dist.scatter(tensor, scatter_list=tensor_list, src=0, group=group)
+    else:
+        dist.scatter(tensor, scatter_list=[], src=0, group=group)
+    # each rank will have a tensor with their rank number
+    print(f"[{rank}] data = {tensor[0]}")
+
+
+if __name__ == "__main__":
+    size = 4
+    processes = []
+    mp.set_start_method("spawn")
+    for rank in range(size):
+        p = mp.Process(target=init_process, args=(rank, size, do_scatter))
+        p.start()
+        processes.append(p)
+
+    for p in processes:
+        p.join()

@@ -1,0 +1,701 @@
+"""The torch.distributed backend "tcoll": a `dist.ProcessGroup` subclass over a tcoll Communicator.
+
+This is the only module that touches torch internals. torch's Python
+`Backend` cannot be subclassed, so the backend is a ProcessGroup subclass,
+which `init_process_group` / `new_group` use as the group itself. torch
+reaches the Python methods in two ways: the Python API calls them by name
+(`group.allreduce([t], opts)`), and C++ (DDP's reducer, functional
+collectives, FSDP2) calls the trampolined ones: allreduce, allreduce_coalesced,
+broadcast, allgather, all_gather_single_coalesced, reduce_scatter,
+reduce_scatter_single_coalesced, all_to_all_single, barrier, send, recv,
+abort, getBackendName, getRank, getSize and the group name and description
+accessors. Every method of both lists is here, in the old and new spellings.
+
+How a call runs. Collectives run to completion inside the call, as blocking
+tcoll calls (the fastest tcoll algorithms, the shared-memory "direct" ones,
+serve only blocking calls), and return a `Work` that is already complete.
+tcoll has no progress thread (the waiter moves the data), and C++ callers
+(DDP) wait on the Work's Future, in C++, right after the call, so starting a
+collective asynchronously would buy no overlap: see docs/torch.md for the
+measurements. TCOLL_TORCH_ASYNC=1 makes calls with async_op=True start
+asynchronously instead (wait(), or get_future(), completes them).
+Point-to-point calls are always asynchronous: a blocking send could not pair
+with a later receive on the same thread (the seed's ring all-reduce does
+isend, then recv).
+
+Failures. A failed operation raises a Python exception from the call, from
+`wait()` or from `get_future()`, all of which reach the Python caller even
+through DDP's C++ hooks. A Future is never completed with an exception or
+with None: in torch 2.13 either crashes the process (SIGSEGV) inside DDP's
+C++ allreduce hook.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ..comm import Communicator
+from ..env import Settings
+from ..errors import TcollError
+from ..store.torch_store import TorchStore
+from . import worlds
+from .anysource import AnySource
+from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, copy_message, fill, finisher, np_bytes, np_view,
+                      pieces, reduce_source, reduce_target, row_bytes)
+
+__all__ = ["ProcessGroupTcoll", "TcollWork", "create_backend", "empty", "BACKEND_NAME"]
+
+BACKEND_NAME = "tcoll"
+
+_RedOp = dist.ReduceOp.RedOpType
+_OP_NAMES = {
+    _RedOp.SUM: "sum", _RedOp.PRODUCT: "prod", _RedOp.MIN: "min", _RedOp.MAX: "max",
+    _RedOp.BAND: "band", _RedOp.BOR: "bor", _RedOp.BXOR: "bxor", _RedOp.AVG: "avg", _RedOp.PREMUL_SUM: "sum",
+}
+_U8 = torch.uint8
+# The ops and dtypes tcoll reduces as torch means them, with no copy or finishing step.
+_SIMPLE_OPS = {k: v for k, v in _OP_NAMES.items() if k not in (_RedOp.PREMUL_SUM, _RedOp.AVG)}
+_SIMPLE_DTYPES = NATIVE
+_INTERNAL_TAG = 1 << 61  # tags of the backend's own messages: far above any tag a torch program uses
+_INTERNAL_TAGS = 1 << 60
+
+Finish = Callable[[], None]
+
+
+def _async_requested(opts: Any) -> bool:
+    """Whether to start this call asynchronously: only if asked, and TCOLL_TORCH_ASYNC=1."""
+    return bool(getattr(opts, "asyncOp", False)) and os.environ.get("TCOLL_TORCH_ASYNC", "0") == "1"
+
+
+def _seconds(timeout: Any) -> float | None:
+    """A torch timeout (timedelta, milliseconds or None; zero or negative means none) in seconds."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout) / 1000.0
+    return seconds if seconds > 0 else None
+
+
+class TcollWork(dist._Work):
+    """What every call returns: the tcoll Works it started, and what to do once they are done.
+
+    `wait()` completes them (raising what they failed with), `get_future()`
+    too, and gives a Future already completed with the list of output tensors.
+    """
+
+    def __init__(self, pg: ProcessGroupTcoll, outputs: list[torch.Tensor], pending: Sequence[Any] = (),
+                 finish: Finish | None = None, source: int = -1) -> None:
+        super().__init__()
+        self._pg = pg
+        self._outputs = outputs
+        self._pending = list(pending)
+        self._finish = finish
+        self._error: BaseException | None = None
+        self._future: Future | None = None
+        self._source = source
+        if not self._pending:
+            self._run_finish()
+
+    def _run_finish(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            try:
+                finish()
+            except BaseException as exc:
+                self._error = exc
+                raise
+
+    def _complete(self, timeout: float | None) -> None:
+        """Wait for every tcoll Work, then run the finishing step; raise what failed."""
+        if self._error is not None:
+            raise self._error
+        budget = self._pg.comm.timeout if timeout is None else timeout
+        while self._pending:
+            work = self._pending[0]
+            try:
+                work.wait(budget)
+            except BaseException as exc:
+                abort = getattr(work, "abort", None)
+                if abort is not None:
+                    abort(exc)
+                self._error, self._pending = exc, []
+                raise
+            self._pending.pop(0)
+        self._run_finish()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the operation completes; raise the error it failed with."""
+        self._complete(_seconds(timeout))
+        return True
+
+    def get_future(self) -> Future:
+        """A Future holding the output tensors; completes the operation first (raising if it failed)."""
+        if self._future is None:
+            self._complete(None)
+            future: Future = Future()
+            future.set_result(self._outputs)
+            self._future = future
+        return self._future
+
+    def is_completed(self) -> bool:
+        if self._error is not None:
+            return True
+        return all(work.done() for work in self._pending)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None and all(w.exception() is None for w in self._pending)
+
+    def exception(self) -> BaseException | None:
+        if self._error is not None:
+            return self._error
+        return next((w.exception() for w in self._pending if w.exception() is not None), None)
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def get_future_result(self) -> Future:
+        return self.get_future()
+
+
+class ProcessGroupTcoll(dist.ProcessGroup):
+    """A torch process group whose collectives and point-to-point calls run on a tcoll Communicator.
+
+    Made by torch through the registered backend ("tcoll"), not directly.
+
+    Args:
+        comm: the communicator (a world for the default group, a sub-communicator for a subgroup).
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__(comm.rank, comm.size)
+        self.comm = comm
+        self._group_name = ""
+        self._group_desc = ""
+        self._sequence = 0
+        self._stash: dict[tuple[int, int], deque[torch.Tensor]] = {}  # receives of recv_anysource that lost
+        self._chain_tag = 0  # reduce calls so far (their tags, above the users' tags)
+        self._chunk = Settings.from_env().coll_chunk  # bytes per message of the reduce chain
+
+    # -- identity -------------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def getRank(self) -> int:  # noqa: N802
+        return self.comm.rank
+
+    def getSize(self) -> int:  # noqa: N802
+        return self.comm.size
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    @property
+    def group_name(self) -> str:
+        if not self._group_name:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc or "undefined"
+
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives this group has run (the same on every rank in a correct program)."""
+        return self._sequence
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupTcoll {self._group_name or '?'}: rank {self.comm.rank} of {self.comm.size}>"
+
+    # -- life cycle -----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Release the communicator (the world's channels too, for the group that owns them)."""
+        comm = self.comm
+        worlds.forget_world(comm)
+        if comm.closed:
+            return
+        comm.close()  # a sub-communicator's close only marks it closed: the world keeps its channels
+
+    def abort(self) -> None:
+        """Stop now: pending operations fail (tcoll's close)."""
+        self.shutdown()
+
+    # -- running calls ---------------------------------------------------------------
+
+    def _issue(self, outputs: list[torch.Tensor], start: Callable[[bool], list[Any]], async_op: bool,
+               finish: Finish | None = None) -> TcollWork:
+        """Run `start(async_op)`: blocking calls return [] once done; async ones the tcoll Works they started."""
+        if self.comm.closed:
+            raise TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")
+        self._sequence += 1
+        pending = start(async_op)
+        return TcollWork(self, outputs, pending if async_op else (), finish)
+
+    # -- reductions -------------------------------------------------------------------
+
+    def _reduction(self, reduce_op: Any, dtype: torch.dtype) -> tuple[str, Any, bool]:
+        """(tcoll op name, premultiplication factor or None, integer average) for a torch ReduceOp."""
+        kind = getattr(reduce_op, "op", reduce_op)
+        name = _OP_NAMES.get(kind)
+        if name is None:
+            raise ValueError(f"{BACKEND_NAME}: reduce op {kind} is not supported")
+        factor = getattr(reduce_op, "factor", None) if kind == _RedOp.PREMUL_SUM else None
+        int_avg = False
+        if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            if dtype == torch.bool:
+                raise TypeError(f"{BACKEND_NAME}: ReduceOp.AVG does not apply to torch.bool tensors")
+            name, int_avg = "sum", True
+        return name, factor, int_avg
+
+    def _in_place(self, t: torch.Tensor, reduce_op: Any) -> tuple[torch.Tensor, str, Finish]:
+        """For a reduction in place on `t`: (the buffer tcoll reduces, the op name, what writes `t`)."""
+        name, factor, int_avg = self._reduction(reduce_op, t.dtype)
+        src = reduce_source(t, factor)
+        return src, name, finisher(src, t, int_avg, self.comm.size)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        if len(tensors) == 1:  # the common case, kept short: it is DDP's and the latency benchmark's
+            t = tensors[0]
+            name = _SIMPLE_OPS.get(opts.reduceOp.op)
+            if name is not None and t.dtype in _SIMPLE_DTYPES and t.is_contiguous() and not self.comm.closed:
+                self._sequence += 1
+                if _async_requested(opts):
+                    return TcollWork(self, tensors, [self.comm.all_reduce(np_view(t), name, async_op=True)])
+                self.comm.all_reduce(np_view(t), name)
+                return TcollWork(self, tensors)
+        prepared = [self._in_place(t, opts.reduceOp) for t in tensors]
+
+        def start(async_op: bool) -> list[Any]:
+            return [self.comm.all_reduce(np_view(src), name, async_op=async_op) for src, name, _ in prepared]
+
+        return self._issue(list(tensors), start, _async_requested(opts), _each(p[2] for p in prepared))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
+        """All-reduce several tensors as one flat buffer per dtype (one tcoll call each)."""
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        groups = []
+        for members in by_dtype.values():
+            flat = torch.cat([m.detach().reshape(-1) for m in members]) if members else torch.empty(0)
+            src, name, back = self._in_place(flat, opts.reduceOp)
+            groups.append((members, flat, src, name, back))
+
+        def start(async_op: bool) -> list[Any]:
+            return [self.comm.all_reduce(np_view(src), name, async_op=async_op) for _, _, src, name, _ in groups]
+
+        def finish() -> None:
+            with torch.no_grad():
+                for members, flat, _, _, back in groups:
+                    back()
+                    at = 0
+                    for m in members:
+                        m.copy_(flat[at:at + m.numel()].view(m.shape))
+                        at += m.numel()
+
+        return self._issue(list(tensors), start, _async_requested(opts), finish)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
+        """Reduce into the root's tensor along a pipelined chain, as gloo does.
+
+        The chain runs from the rank before the root (in ring order) down to
+        the root; each rank adds what comes from above to its own tensor and
+        passes it on, so the other ranks' tensors end up holding the partial
+        results gloo leaves there (torch calls them undefined). Always blocking.
+        """
+        opts = opts if opts is not None else dist.ReduceOptions()
+        root = int(opts.rootRank)
+        if not 0 <= root < self.comm.size:
+            raise ValueError(f"reduce: root rank {root} is not in this group of {self.comm.size}")
+
+        def start(async_op: bool) -> list[Any]:
+            for t in tensors:
+                name, factor, int_avg = self._reduction(opts.reduceOp, t.dtype)
+                src = reduce_source(t, factor)
+                self._chain_tag = (self._chain_tag + 1) % _INTERNAL_TAGS
+                chain_reduce(self.comm, src, name, root, _INTERNAL_TAG + self._chain_tag, self._chunk)
+                if self.comm.rank != root:
+                    int_avg = False
+                elif name == "avg" and self.comm.size > 1:
+                    src.div_(self.comm.size)
+                finisher(src, t, int_avg, self.comm.size)()
+            return []
+
+        return self._issue(list(tensors), start, False)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> TcollWork:
+        """Reduce rank r's input_tensors[0][j] over ranks into rank j's output (sizes may differ by j)."""
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        output, inputs = output_tensors[0], input_tensors[0]
+        self._check_count(inputs, "reduce_scatter input list")
+        flat = torch.cat([t.detach().reshape(-1) for t in inputs])
+        counts = [t.numel() for t in inputs]
+        return self._reduce_scatter_flat(output, flat, counts, opts)
+
+    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, counts: list[int],
+                             opts: Any) -> TcollWork:
+        """Reduce-scatter the flat `flat` (part j: counts[j] elements) into `output`."""
+        name, factor, int_avg = self._reduction(opts.reduceOp, flat.dtype)
+        src = reduce_source(flat, factor)
+        dst = reduce_target(output)
+        back = finisher(dst, output, int_avg, self.comm.size)
+        size, part = self.comm.size, counts[self.comm.rank]
+        if dst.numel() != part:
+            raise ValueError(f"reduce_scatter: this rank's output holds {output.numel()} elements, "
+                             f"its part of the input {part}")
+        even = len(set(counts)) == 1
+
+        def start(async_op: bool) -> list[Any]:
+            if even:
+                x = src.reshape(size, part)
+                out = np_view(dst.reshape(1, part))
+                return [self.comm.reduce_scatter(np_view(x), name, out=out, async_op=async_op)]
+            return [self.comm.reduce_scatterv(np_view(src), counts, name, out=np_view(dst.reshape(-1)),
+                                              async_op=async_op)]
+
+        return self._issue([output], start, _async_requested(opts), back)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        size = self.comm.size
+        if input.numel() != output.numel() * size:
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
+                             f"output {output.numel()}; the input must hold {size} outputs")
+        flat = input.detach().reshape(-1)
+        return self._reduce_scatter_flat(output, flat, [output.numel()] * size, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> TcollWork:
+        return _chain(self, [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+                      list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement -------------------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        root = int(opts.rootRank)
+        held = [Contiguous(t, copy_in=self.comm.rank == root) for t in tensors]
+
+        def start(async_op: bool) -> list[Any]:
+            return [self.comm.broadcast(np_bytes(h.work), root, async_op=async_op) for h in held]
+
+        return self._issue(list(tensors), start, _async_requested(opts), _each(h.back for h in held))
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> TcollWork:
+        """Rank r's input lands in output_tensors[0][r] of every rank (sizes may differ by rank)."""
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        outputs, x = output_tensors[0], Contiguous(input_tensors[0]).work
+        self._check_count(outputs, "all_gather output list")
+        send = as_bytes(x)
+        sizes = [o.numel() * o.element_size() for o in outputs]
+        if len(set(sizes)) == 1 and sizes[0] == send.numel():
+            gathered = torch.empty((self.comm.size, send.numel()), dtype=_U8)
+
+            def start(async_op: bool) -> list[Any]:
+                return [self.comm.all_gather(send.numpy(), out=gathered.numpy(), async_op=async_op)]
+
+            parts: Callable[[], Sequence[torch.Tensor]] = lambda: gathered  # noqa: E731
+        else:
+            arrived: list[Any] = []
+
+            def start(async_op: bool) -> list[Any]:
+                work = self.comm.all_gatherv(send.numpy(), async_op=async_op)
+                arrived.append(work)
+                return [work]
+
+            parts = lambda: _result(arrived[0])  # noqa: E731
+        return self._issue(list(outputs), start, _async_requested(opts), lambda: fill(outputs, parts()))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        send = as_bytes(Contiguous(input).work)
+        out = Contiguous(output, copy_in=False)
+        if out.work.numel() * out.work.element_size() != send.numel() * self.comm.size:
+            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, input "
+                             f"{input.numel()}; the output must hold {self.comm.size} inputs")
+        target = as_bytes(out.work).view(self.comm.size, send.numel())
+
+        def start(async_op: bool) -> list[Any]:
+            return [self.comm.all_gather(send.numpy(), out=target.numpy(), async_op=async_op)]
+
+        return self._issue([output], start, _async_requested(opts), out.back)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> TcollWork:
+        return _chain(self, [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+                      list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> TcollWork:
+        works = [self.allgather([outs], [x], opts) for outs, x in zip(output_lists, inputs, strict=True)]
+        return _chain(self, works, [t for outs in output_lists for t in outs])
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.GatherOptions()
+        root = int(opts.rootRank)
+        send = as_bytes(Contiguous(input_tensors[0]).work)
+        outputs = output_tensors[0] if output_tensors else []
+        gathered = None
+        if self.comm.rank == root:
+            self._check_count(outputs, "gather list")
+            gathered = torch.empty((self.comm.size, send.numel()), dtype=_U8)
+
+        def start(async_op: bool) -> list[Any]:
+            return [self.comm.gather(send.numpy(), root, out=None if gathered is None else gathered.numpy(),
+                                     async_op=async_op)]
+
+        finish = (lambda: fill(outputs, gathered)) if gathered is not None else None
+        return self._issue(list(outputs), start, _async_requested(opts), finish)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        root = int(opts.rootRank)
+        out = Contiguous(output_tensors[0], copy_in=False)
+        chunks = None
+        if self.comm.rank == root:
+            self._check_count(input_tensors[0], "scatter list")
+            chunks = [np_bytes(Contiguous(t).work) for t in input_tensors[0]]
+
+        def start(async_op: bool) -> list[Any]:
+            return [self.comm.scatter(chunks, root, out=np_bytes(out.work), async_op=async_op)]
+
+        return self._issue([output_tensors[0]], start, _async_requested(opts), out.back)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> TcollWork:
+        """Rows input[split j] go to rank j; rows from rank i land in output[split i] (even splits if empty)."""
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        size = self.comm.size
+        x, out = Contiguous(input).work, Contiguous(output, copy_in=False)
+        send, recv = as_bytes(x), as_bytes(out.work)
+        in_rows = row_bytes(x, input_split_sizes, size, "input")
+        out_rows = row_bytes(out.work, output_split_sizes, size, "output")
+        if len(set(in_rows)) == 1 and len(set(out_rows)) == 1 and in_rows[0] == out_rows[0]:
+            def start(async_op: bool) -> list[Any]:
+                blocks = (size, in_rows[0])
+                return [self.comm.all_to_all(send.view(blocks).numpy(), out=recv.view(blocks).numpy(),
+                                             async_op=async_op)]
+
+            return self._issue([output], start, _async_requested(opts), out.back)
+        arrived: list[Any] = []
+        chunks = [c.numpy() for c in pieces(send, in_rows)]
+
+        def start_v(async_op: bool) -> list[Any]:
+            work = self.comm.all_to_allv(chunks, async_op=async_op)
+            arrived.append(work)
+            return [work]
+
+        def finish() -> None:
+            fill(pieces(recv, out_rows), _result(arrived[0]))
+            out.back()
+
+        return self._issue([output], start_v, _async_requested(opts), finish)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        self._check_count(output_tensors, "all_to_all output list")
+        self._check_count(input_tensors, "all_to_all input list")
+        chunks = [np_bytes(Contiguous(t).work) for t in input_tensors]
+        arrived: list[Any] = []
+
+        def start(async_op: bool) -> list[Any]:
+            work = self.comm.all_to_allv(chunks, async_op=async_op)
+            arrived.append(work)
+            return [work]
+
+        return self._issue(list(output_tensors), start, _async_requested(opts),
+                           lambda: fill(output_tensors, _result(arrived[0])))
+
+    def barrier(self, opts: Any = None) -> TcollWork:
+        opts = opts if opts is not None else dist.BarrierOptions()
+
+        def start(async_op: bool) -> list[Any]:
+            return [self.comm.barrier(async_op=async_op)]
+
+        return self._issue([], start, _async_requested(opts))
+
+    # -- point to point -----------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TcollWork:
+        held = Contiguous(tensors[0])
+        work = self.comm.isend(np_bytes(held.work), int(dst), int(tag))
+        return self._p2p([held.work], [work], None)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TcollWork:
+        out = Contiguous(tensors[0], copy_in=False)
+        stashed = self._stash.get((int(src), int(tag)))
+        if stashed:
+            data = stashed.popleft()
+            return self._p2p([tensors[0]], [], lambda: copy_message(out, data), source=int(src))
+        work = self.comm.irecv(np_bytes(out.work), int(src), int(tag))
+        return self._p2p([tensors[0]], [work], out.back, source=int(src))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TcollWork:
+        """Receive from whichever rank's message (with this tag) comes first.
+
+        tcoll has no any-source receive, so one receive is posted per peer; the
+        first to complete wins, the others are withdrawn, and a message that
+        already matched one of them is kept for the next receive from its rank.
+        """
+        return AnySource(self, tensors[0], int(tag)).work()
+
+    def _p2p(self, outputs: list[torch.Tensor], pending: list[Any], finish: Finish | None,
+             source: int = -1) -> TcollWork:
+        return TcollWork(self, outputs, pending, finish, source)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _check_count(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        if len(tensors) != self.comm.size:
+            raise ValueError(f"{what} must hold {self.comm.size} tensors (one per rank), not {len(tensors)}")
+
+
+def _each(steps: Any) -> Finish:
+    steps = list(steps)
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
+
+
+def _chain(pg: ProcessGroupTcoll, works: list[TcollWork], outputs: list[torch.Tensor]) -> TcollWork:
+    """One Work for several: waiting for it waits for each."""
+
+    def finish() -> None:
+        for work in works:
+            work.wait()
+
+    pending = [_Waitable(w) for w in works if w._pending]
+    return TcollWork(pg, outputs, pending, finish)
+
+
+class _Waitable:
+    """Lets a TcollWork wait for another TcollWork as if it were a tcoll Work."""
+
+    def __init__(self, work: TcollWork) -> None:
+        self.work = work
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.work._complete(timeout)
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    def exception(self) -> BaseException | None:
+        return self.work.exception()
+
+
+def _result(work: Any) -> Any:
+    """The value of a tcoll call: the Work's result if it was started async, else the value itself."""
+    return work.result() if hasattr(work, "result") and hasattr(work, "done") else work
+
+
+def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:
+    """A new zero-filled CPU tensor in shared memory, which tcoll's collectives read in place.
+
+    When every rank of the group shares this host, tcoll's shared-memory
+    collectives read such a tensor where it lies instead of copying it into
+    their arena first (`tcoll.Communicator.empty`). For a group that is not
+    tcoll's, or spans hosts, it is an ordinary tensor.
+
+    Args:
+        shape: the tensor's shape.
+        dtype: its dtype (any).
+        group: the process group it is for (default: the default group).
+    """
+    dims = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, ProcessGroupTcoll):
+        return torch.zeros(dims, dtype=dtype)
+    count = 1
+    for n in dims:
+        count *= n
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(pg.comm.empty(count * itemsize, "uint8"))
+    return raw.view(dtype).view(dims)
+
+
+def _master_host(store: Any) -> str | None:
+    """The host of the TCPStore under torch's prefix stores, else MASTER_ADDR: where TCP finds its interface."""
+    for _ in range(16):
+        if isinstance(store, dist.TCPStore):
+            return str(store.host)
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store = inner
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def create_backend(options: Any, backend_options: Any = None) -> ProcessGroupTcoll:
+    """torch's creator for "tcoll" (extended API): the group's process group over a tcoll communicator.
+
+    Args:
+        options: torch's _DistributedBackendOptions (store, group_rank, group_size, timeout, group_id,
+            global_ranks_in_group).
+        backend_options: pg_options given to init_process_group / new_group (unused).
+    """
+    timeout = _seconds(options.timeout) or 1800.0
+    store = TorchStore(options.store, timeout, address=f"torch://{options.group_id}")
+    rank, size = int(options.group_rank), int(options.group_size)
+    global_ranks = list(options.global_ranks_in_group)
+    master = _master_host(options.store)
+    if not global_ranks or not dist.is_initialized():  # the default group: a world of its own
+        return ProcessGroupTcoll(worlds.open_world(store, rank, size, timeout, master, default=True))
+    return ProcessGroupTcoll(worlds.open_group(store, rank, size, global_ranks, timeout, master))

@@ -1,0 +1,207 @@
+"""Tensor helpers of the torch backend that need no torch internals: byte views, copies, the reduce chain."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ..comm import Communicator
+from ..buffers import as_array
+from ..errors import TcollError
+from ..ops import as_op
+
+__all__ = ["NATIVE", "Contiguous", "as_bytes", "chain_reduce", "copy_message", "fill", "finisher", "np_bytes",
+           "np_view", "pieces", "reduce_source", "reduce_target", "row_bytes", "trunc_divide"]
+
+_U8 = torch.uint8
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor of any dtype."""
+    flat = t.detach().reshape(-1)
+    return flat if flat.dtype == _U8 else flat.view(_U8)
+
+
+def np_view(t: torch.Tensor) -> np.ndarray:
+    """An ndarray over the memory of the contiguous tensor `t`, of its dtype and shape (bfloat16 via ml_dtypes).
+
+    tcoll takes tensors too; handing it an ndarray skips its per-call dtype lookup.
+    """
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_BF16)
+    return t.numpy()
+
+
+def np_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 ndarray over the memory of the contiguous tensor `t` (any dtype)."""
+    return as_bytes(t).numpy()
+
+
+# dtypes tcoll reduces natively (NumPy or ml_dtypes views); the others (float8 types, complex32) are reduced
+# in a float32 (complex64) copy.
+NATIVE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                    torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+                    torch.complex64, torch.complex128})
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a non-native dtype is reduced in (float8 types in float32, complex32 in complex64)."""
+    return torch.complex64 if dtype.is_complex else torch.float32
+
+
+def reduce_source(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    """What tcoll reduces for the input `t`: `t` itself, or a contiguous copy (premultiplied by `factor`
+    unless it is None, or widened for dtypes tcoll does not reduce)."""
+    native = t.dtype in NATIVE
+    if native and factor is None and t.is_contiguous():
+        return t.detach()
+    with torch.no_grad():
+        src = t.detach().to(t.dtype if native else _wide(t.dtype), copy=True).contiguous()
+        if factor is not None:  # an integer tensor's products are rounded toward zero
+            src.copy_(src * factor)
+    return src
+
+
+def reduce_target(t: torch.Tensor) -> torch.Tensor:
+    """Where tcoll writes a reduction's result meant for `t`: `t` itself, or a contiguous (widened) buffer."""
+    native = t.dtype in NATIVE
+    if native and t.is_contiguous():
+        return t.detach()
+    return torch.empty(t.shape, dtype=t.dtype if native else _wide(t.dtype))
+
+
+def finisher(buf: torch.Tensor, t: torch.Tensor, int_avg: bool, size: int) -> Callable[[], None]:
+    """What completes a reduction whose result tcoll left in `buf`: the integer average's division
+    (when `int_avg`), then the copy into `t` if `buf` is not `t`."""
+
+    def back() -> None:
+        with torch.no_grad():
+            if int_avg and size > 1:
+                trunc_divide(buf, size)
+            if buf.data_ptr() != t.data_ptr() or not t.is_contiguous():
+                t.copy_(buf.view(t.shape))
+
+    return back
+
+
+def trunc_divide(buf: torch.Tensor, size: int) -> None:
+    """buf //= size in place, rounding toward zero (an integer average), for every integer dtype."""
+    a = as_array(buf, writable=True)
+    negative_inexact = (a < 0) & (a % size != 0) if a.dtype.kind == "i" else None
+    np.floor_divide(a, a.dtype.type(size), out=a)
+    if negative_inexact is not None:
+        a += negative_inexact.astype(a.dtype)
+
+
+def chain_reduce(comm: Communicator, buf: torch.Tensor, name: str, root: int, tag: int, chunk_bytes: int) -> None:
+    """Reduce `buf` of every rank into `buf` of `root` along a pipelined chain (gloo's reduce).
+
+    Ranks in ring order from the root: the last one (root - 1) sends its
+    data to the one before it, which combines it into its own buffer and
+    passes the result on, down to the root. Messages are cut into
+    `chunk_bytes` pieces so that every link of the chain works at once.
+    Each rank's buffer ends up holding the reduction of itself and the ranks
+    after it in the chain (the root: of all ranks). Sends (size - 1) * n bytes
+    in all, n per rank but the root; time about n * (beta + gamma) + size * chunk.
+
+    Args:
+        comm: the communicator.
+        buf: a contiguous tensor, reduced in place.
+        name: a tcoll op name ("avg" sums here: the root divides afterwards).
+        root: the rank that gets the full result.
+        tag: the point-to-point tag of this call, the same on every rank.
+        chunk_bytes: bytes per message.
+    """
+    size = comm.size
+    if size == 1:
+        return
+    position = (comm.rank - root) % size  # 0 is the root; size - 1 starts the chain
+    above, below = (comm.rank + 1) % size, (comm.rank - 1) % size
+    flat = np_view(buf.reshape(-1))
+    op = as_op(name)
+    step = max(1, chunk_bytes // max(1, flat.itemsize))
+    starts = list(range(0, flat.size, step))
+    receiving = position < size - 1 and bool(starts)
+    spare = [np.empty(min(step, flat.size), dtype=flat.dtype) for _ in range(2 if receiving else 0)]
+    pending: Any = comm.irecv(spare[0][:min(step, flat.size)], above, tag) if receiving else None
+    sends = []
+    for index, at in enumerate(starts):
+        piece = flat[at:at + step]
+        if receiving:
+            pending.wait(comm.timeout)
+            got = spare[index % 2][:piece.size]
+            if index + 1 < len(starts):  # post the next receive before combining this piece
+                following = flat[starts[index + 1]:starts[index + 1] + step].size
+                pending = comm.irecv(spare[(index + 1) % 2][:following], above, tag)
+            op.combine(piece, got, piece)  # this rank's data counts as the lower one
+        if position > 0:
+            sends.append(comm.isend(piece, below, tag))
+    for send in sends:
+        send.wait(comm.timeout)
+
+
+class Contiguous:
+    """A contiguous tensor to hand tcoll for `t`: `t` itself, or a copy written back by `back()`."""
+
+    __slots__ = ("t", "work")
+
+    def __init__(self, t: torch.Tensor, copy_in: bool = True) -> None:
+        self.t = t
+        if t.is_contiguous():
+            self.work = t.detach()
+        else:
+            fresh = torch.empty_like(t, memory_format=torch.contiguous_format)
+            self.work = t.detach().contiguous() if copy_in else fresh
+
+    def back(self) -> None:
+        if self.work.data_ptr() != self.t.data_ptr() or not self.t.is_contiguous():
+            with torch.no_grad():
+                self.t.copy_(self.work)
+
+
+def copy_message(out: Contiguous, data: torch.Tensor) -> None:
+    """Copy a received message (bytes) into the receive's tensor, as a receive would have."""
+    target = as_bytes(out.work)
+    if data.numel() > target.numel():
+        raise TcollError(f"recv: the message has {data.numel()} bytes but the tensor holds {target.numel()}")
+    target[:data.numel()].copy_(data)
+    out.back()
+
+
+def fill(outputs: Sequence[torch.Tensor], parts: Sequence[Any]) -> None:
+    """Copy each received byte block into its output tensor (any dtype, any layout)."""
+    with torch.no_grad():
+        for out, part in zip(outputs, parts, strict=True):
+            data = part if isinstance(part, torch.Tensor) else torch.from_numpy(part)
+            holder = Contiguous(out, copy_in=False)
+            as_bytes(holder.work).copy_(data.reshape(-1))
+            holder.back()
+
+
+def row_bytes(t: torch.Tensor, splits: Sequence[int], size: int, what: str) -> list[int]:
+    """Bytes each rank's part of `t` takes: splits (rows along dim 0), or `size` equal parts."""
+    row = math.prod(t.shape[1:]) * t.element_size() if t.dim() else t.element_size()
+    if not splits:
+        total = t.numel() * t.element_size()
+        if total % size:
+            raise ValueError(f"all_to_all_single: the {what} ({t.numel()} elements) does not split into {size} parts")
+        return [total // size] * size
+    if len(splits) != size or sum(splits) != (t.shape[0] if t.dim() else 1):
+        raise ValueError(f"all_to_all_single: {what} split sizes {list(splits)} must be {size} row counts "
+                         f"adding up to {t.shape[0] if t.dim() else 1}")
+    return [int(n) * row for n in splits]
+
+
+def pieces(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    at, out = 0, []
+    for n in sizes:
+        out.append(flat[at:at + n])
+        at += n
+    return out

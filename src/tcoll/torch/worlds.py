@@ -1,0 +1,129 @@
+"""Which tcoll communicator serves a torch.distributed process group.
+
+torch creates a backend once per group, on the group's members only, and
+hands it the group's store. The default group meets through that store and
+becomes a tcoll world of its own. A later group of ranks of that world
+(`new_group`, `new_subgroups`) becomes a sub-communicator of it: it shares the
+world's channels and gets a communicator context that its members agree on
+through the group's store (each member publishes the lowest context it has
+not used; all take the largest and move past it). A non-member never hears
+of the group, and needs not: contexts only have to differ between
+communicators that share ranks, and every member moves past the one chosen.
+
+A group whose ranks are not all in the current world (the default group is
+not tcoll, or was destroyed) meets as a world of its own.
+
+Nothing here imports torch: the store is a tcoll `Store` (the torch store
+wrapped in `tcoll.store.torch_store.TorchStore`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import threading
+from collections.abc import Sequence
+
+from ..comm import Communicator
+from ..env import Settings
+from ..store.base import Store
+from ..world import connect
+
+__all__ = ["open_world", "open_group", "current_world", "forget_world"]
+
+_SAFE = re.compile(r"[A-Za-z0-9_.]{1,64}")  # what world.init accepts as a run id unchanged
+_lock = threading.Lock()
+_world: Communicator | None = None  # the world of the current default group, if it is tcoll's
+
+
+def current_world() -> Communicator | None:
+    """The world made for the current default group, or None."""
+    with _lock:
+        if _world is not None and _world.closed:
+            return None
+        return _world
+
+
+def forget_world(comm: Communicator) -> None:
+    """Stop treating `comm` as the default group's world (it is being shut down)."""
+    global _world
+    with _lock:
+        if _world is comm:
+            _world = None
+
+
+def open_world(store: Store, rank: int, size: int, timeout: float, master_host: str | None, *,
+               default: bool) -> Communicator:
+    """Meet the group's other ranks through `store` and connect a new tcoll world.
+
+    Args:
+        store: the group's store (every rank of the group passes the same one).
+        rank: this rank in the group.
+        size: the group's size.
+        timeout: seconds for the rendezvous and, later, for every blocking call.
+        master_host: the host of the store's server (TCP listens on the interface that reaches it).
+        default: this is torch's default group: later groups become its sub-communicators.
+
+    Returns:
+        The world communicator (closed at interpreter exit if nobody closes it first).
+
+    Raises:
+        tcoll.RendezvousError: the ranks did not all arrive in time.
+    """
+    settings = Settings.from_env(timeout=timeout)
+    comm = connect(store, rank, size, settings, _agree_run_id(store, rank, timeout), master_host)
+    comm.timeout = timeout
+    if default:
+        global _world
+        with _lock:
+            _world = comm
+    return comm
+
+
+def _agree_run_id(store: Store, rank: int, timeout: float) -> str:
+    """The run id every rank of the group uses for its shared-memory names: rank 0's choice.
+
+    Under `tcoll run` it is the launcher's TCOLL_RUN_ID (the launcher removes
+    that run's leftovers if it crashes); otherwise the torchelastic run id, or
+    "torch", with a random suffix.
+    """
+    if rank == 0:
+        chosen = os.environ.get("TCOLL_RUN_ID", "")
+        if not _SAFE.fullmatch(chosen):
+            base = re.sub(r"[^A-Za-z0-9_.]", "_", os.environ.get("TORCHELASTIC_RUN_ID", ""))[:40] or "torch"
+            chosen = f"{base}.{secrets.token_hex(3)}"
+        store.set("tcoll/run_id", chosen.encode())
+        return chosen
+    return store.get("tcoll/run_id", timeout).decode()
+
+
+def open_group(store: Store, rank: int, size: int, global_ranks: Sequence[int], timeout: float,
+               master_host: str | None) -> Communicator:
+    """The communicator of a torch subgroup: a sub-communicator of the world when it can be.
+
+    Args:
+        store: the group's store.
+        rank: this rank in the group.
+        size: the group's size.
+        global_ranks: the group's ranks in the default group, in group-rank order.
+        timeout: seconds for every blocking call.
+        master_host: as for `open_world`.
+
+    Returns:
+        A sub-communicator of the current world, or a new world if the group
+        is not made of the current world's ranks.
+    """
+    world = current_world()
+    ranks = [int(r) for r in global_ranks]
+    if world is None or len(ranks) != size or not all(0 <= r < world.size for r in ranks) or \
+            ranks[rank] != world.rank:
+        return open_world(store, rank, size, timeout, master_host, default=False)
+    engine = world._engine
+    store.set(f"tcoll/context/{rank}", str(engine.next_context).encode())
+    offered = store.multi_get([f"tcoll/context/{r}" for r in range(size)], timeout)
+    context = max(int(value) for value in offered)
+    engine.next_context = max(engine.next_context, context + 1)
+    comm = world._child([world.world_ranks[r] for r in ranks], context)
+    comm.timeout = timeout
+    return comm

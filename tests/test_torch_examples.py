@@ -1,0 +1,126 @@
+"""The torch examples: the seed's torch.distributed programs on "tcoll", and DDP training under two launchers.
+
+examples/torch/*.py are the seed documents' programs with only the backend
+name changed; they must print what the seeds print (with 4 ranks, as there).
+They hard-code MASTER_PORT=29500, which other jobs on this machine may hold,
+so the test moves them to a free port with a sitecustomize module (loaded by
+every Python process the example starts) that rewrites that one assignment:
+the examples themselves run unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from proc_util import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What the seeds print, with 4 ranks: lines "[rank] data = ..." (the ring prints "rank tensor(...)").
+_LIST = "[tensor([0.]), tensor([1.]), tensor([2.]), tensor([3.])]"
+SEED_OUTPUT = {
+    # gloo's reduce leaves rank r the partial sum of ranks r..3, which the seed prints; so does tcoll's
+    "reduce": {0: "4.0", 1: "3.0", 2: "2.0", 3: "1.0"},
+    "all_reduce": {r: "4.0" for r in range(4)},
+    "scatter": {0: "1.0", 1: "2.0", 2: "3.0", 3: "4.0"},
+    "gather": {0: _LIST},
+    "all_gather": {r: _LIST for r in range(4)},
+    "broadcast": {r: "tensor([0.])" for r in range(4)},
+}
+
+_SITECUSTOMIZE = """
+import os
+
+_port = os.environ.get("TCOLL_TEST_MASTER_PORT")
+if _port:
+    _environ = type(os.environ)
+    _setitem = _environ.__setitem__
+
+    def _moved(self, key, value):
+        if key == "MASTER_PORT" and value == "29500":
+            value = _port
+        _setitem(self, key, value)
+
+    _environ.__setitem__ = _moved
+"""
+
+
+def _start_seed(name: str, tmp_path: Path) -> subprocess.Popen[str]:
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(_SITECUSTOMIZE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src")]),
+               TCOLL_TEST_MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    env.pop("PYTHONUNBUFFERED", None)  # each process then writes its lines at exit, in one piece
+    return subprocess.Popen([sys.executable, f"examples/torch/{name}.py"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen[str], name: str) -> str:
+    try:
+        out, err = process.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"examples/torch/{name}.py did not finish:\n{out}\n{err}") from None
+    assert process.returncode == 0, f"examples/torch/{name}.py failed:\n{err}"
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_seed_examples_print_what_the_seeds_print(tmp_path: Path) -> None:
+    """The seven seed programs, run side by side (each starts 4 processes that import torch)."""
+    running = {name: _start_seed(name, tmp_path) for name in [*SEED_OUTPUT, "ring_all_reduce"]}
+    outputs = {name: _finish(process, name) for name, process in running.items()}
+    for name, want in SEED_OUTPUT.items():
+        out = outputs[name]
+        for rank, value in want.items():
+            assert f"[{rank}] data = {value}" in out, f"{name}: {out}"  # lines of several processes may interleave
+        assert out.count("data = ") == len(want), f"{name}: {out}"
+    # the isend/recv ring all-reduce of [rank] * 4 over 4 ranks: every rank prints 0+1+2+3
+    printed = sorted(re.findall(r"(\d) (tensor\(\[[^\]]*\]\))", outputs["ring_all_reduce"]))
+    assert printed == [(str(r), "tensor([6, 6, 6, 6])") for r in range(4)], outputs["ring_all_reduce"]
+
+
+def _check_ddp_output(out: str, ranks: int) -> None:
+    losses = [float(m) for m in re.findall(r"epoch \d+: loss (\d+\.\d+)", out)]
+    assert len(losses) == 5 and losses[-1] < 0.7 * losses[0], out
+    assert f"trained on {ranks} rank(s) with backend tcoll" in out, out
+    assert "weights match single-process training" in out, out
+
+
+@pytest.mark.timeout(240)
+def test_ddp_example_under_tcoll_run() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "tcoll", "run", "-n", "4", "examples/ddp_train.py", "--check"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stderr
+    _check_ddp_output(result.stdout, 4)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_example_under_torchrun() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "examples/ddp_train.py", "--check"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stderr
+    _check_ddp_output(result.stdout, 2)
+
+
+@pytest.mark.timeout(240)
+def test_allreduce_benchmark_script_runs() -> None:
+    """benchmarks/torch_allreduce.py, cut short: one table with the tcoll, tcoll async, zero-copy and gloo columns."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    result = subprocess.run([sys.executable, "benchmarks/torch_allreduce.py", "--ranks", "2", "--sizes", "8,65536",
+                             "--runs", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("8 B |", "64 KiB |"))]
+    assert len(rows) == 2 and all(line.count("|") == 7 and line.endswith("x") for line in rows), result.stdout
