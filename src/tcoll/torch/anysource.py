@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..comm import Communicator
-from ..errors import PeerLostError, TcollError
+from ..errors import PeerLostError
 from ..errors import TimeoutError as TcollTimeout
 from .tensors import Contiguous, copy_message
 
@@ -61,13 +61,15 @@ class AnySource:
     def _settle(self, result: TcollWork, receives: dict[int, Any], buffers: dict[int, torch.Tensor]) -> None:
         """Keep the winner's message, withdraw the other receives, stash what already matched."""
         comm = self.pg.comm
-        winner = min(p for p, w in receives.items() if w.done())
+        finished = [p for p, w in receives.items() if w.done()]
+        succeeded = [p for p in finished if receives[p].exception() is None]
+        winner = min(succeeded or finished)  # a live sender beats a peer that was lost meanwhile
         for peer, work in receives.items():
             if peer == winner or comm._engine.cancel(work):
                 continue
             try:
                 work.wait(comm.timeout)
-            except TcollError:  # that rank failed; its error is not this receive's
+            except PeerLostError:  # that rank is gone; its error is not this receive's
                 continue
             self.pg._stash.setdefault((peer, self.tag), deque()).append(buffers[peer][:work.nbytes].clone())
         receives[winner].wait(0)

@@ -189,10 +189,11 @@ def row_bytes(t: torch.Tensor, splits: Sequence[int], size: int, what: str) -> l
     """Bytes each rank's part of `t` takes: splits (rows along dim 0), or `size` equal parts."""
     row = math.prod(t.shape[1:]) * t.element_size() if t.dim() else t.element_size()
     if not splits:
-        total = t.numel() * t.element_size()
-        if total % size:
-            raise ValueError(f"all_to_all_single: the {what} ({t.numel()} elements) does not split into {size} parts")
-        return [total // size] * size
+        rows = t.shape[0] if t.dim() else 1
+        if rows % size:
+            raise ValueError(f"all_to_all_single: the {what}'s first dimension ({rows}) does not split into "
+                             f"{size} equal parts")
+        return [rows // size * row] * size
     if len(splits) != size or sum(splits) != (t.shape[0] if t.dim() else 1):
         raise ValueError(f"all_to_all_single: {what} split sizes {list(splits)} must be {size} row counts "
                          f"adding up to {t.shape[0] if t.dim() else 1}")
