@@ -208,12 +208,6 @@ class Arena:
         if self._counters[rank] <= step:
             self._wait(step + 1, rank)
 
-    def sync(self) -> None:
-        """A barrier through the arena: one step with nothing in it."""
-        step = self.skip()
-        self.publish(step)
-        self.wait_all(step)
-
     # -- descriptors: what each rank's call is, and where its zero-copy buffer lies -----
     # A call's descriptors sit in set (its first step % 2), written only in a
     # claimed step: a rank that starts the next call cannot overwrite what a
