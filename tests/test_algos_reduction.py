@@ -21,7 +21,7 @@ import tcoll
 from collective_cases import runnable
 from tcoll.algos.registry import Costs, lookup
 from tcoll.ops import Op, as_op
-from tcoll.topology import split_counts
+from tcoll.algos.topology import split_counts
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter")
@@ -138,7 +138,7 @@ def _reduce_scatter_checks(comm: tcoll.Communicator, failures: list[str], name: 
         send = data(kind, r, sum(counts))
         before = send.copy()
         out = np.full(counts[r], -1, dtype=send.dtype)
-        comm._call_algorithm("reduce_scatter", name, send, out, counts, OPS[kind])
+        comm._dispatch.call_algorithm("reduce_scatter", name, send, out, counts, OPS[kind])
         start = sum(counts[:r])
         _check(failures, f"reduce_scatter {name} {kind} counts={counts}", out,
                reference(kind, p, sum(counts))[start:start + counts[r]])

@@ -180,7 +180,7 @@ def run_bad_arguments(comm: tcoll.Communicator) -> None:
 
 
 def _unordered_all_reduce() -> str:
-    from tcoll.select import eligible
+    from tcoll.algos.select import eligible
 
     unordered = [info.name for info in eligible("all_reduce") if not info.ordered]
     return unordered[0] if unordered else "no such algorithm"

@@ -36,10 +36,10 @@ from proc_util import (
 
 import tcoll
 from tcoll import PeerLostError, SpawnError
-from tcoll.engine import Engine
+from tcoll.p2p.engine import Engine
 from tcoll.env import Settings
-from tcoll.transport.base import Channel
-from tcoll.waiting import Doorbell
+from tcoll.p2p.channel import Channel
+from tcoll.p2p.waiting import Doorbell
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

@@ -32,7 +32,7 @@ RANK_SCRIPT = r"""
     import json, os, sys
     import numpy as np
     import tcoll
-    from tcoll.rendezvous import detect
+    from tcoll.startup.rendezvous import detect
 
 
     def listening_here(port):

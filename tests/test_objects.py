@@ -17,8 +17,8 @@ import pytest
 
 import tcoll
 from tcoll import TcollError
-from tcoll.objects import INLINE_BYTES, dump, load
-from tcoll.schedule import Team
+from tcoll.comm.pickling import INLINE_BYTES, dump, load
+from tcoll.algos.team import Team
 
 BIG = INLINE_BYTES // 8 + 5  # float64 elements: just over the in-band limit
 
@@ -260,9 +260,9 @@ def test_scatter_object_checks_its_list() -> None:
 
 
 def test_security_note_is_documented() -> None:
-    import tcoll.objects
+    import tcoll.comm.objects
 
-    assert "unpickle" in (tcoll.objects.__doc__ or "") and "Security" in (tcoll.objects.__doc__ or "")
+    assert "unpickle" in (tcoll.comm.objects.__doc__ or "") and "Security" in (tcoll.comm.objects.__doc__ or "")
     assert "unpickle" in (tcoll.Communicator.recv_object.__doc__ or "")
 
 

@@ -20,7 +20,7 @@ import pytest
 from proc_util import no_leftovers_fixture, rank_report, write_report  # noqa: F401 - the fixture
 
 import tcoll
-from tcoll.algos.shm_direct import ZERO_COPY_BYTES
+from tcoll.shm.arena import ZERO_COPY_BYTES
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -145,8 +145,8 @@ def test_more_ranks_than_cores() -> None:
 
 def choices(comm: tcoll.Communicator) -> dict[str, Any]:
     x = np.ones(8)
-    out: dict[str, Any] = {"auto": comm._choose("all_reduce", "auto", 8, blocking=True).name,
-                           "async": comm._choose("all_reduce", "auto", 8, blocking=False).name}
+    out: dict[str, Any] = {"auto": comm._dispatch.choose("all_reduce", "auto", 8, blocking=True).name,
+                           "async": comm._dispatch.choose("all_reduce", "auto", 8, blocking=False).name}
     try:
         comm.all_reduce(x, algorithm="shm", async_op=True)
         out["async_shm"] = "ran"

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tcoll.engine import Engine
+from tcoll.p2p.engine import Engine
 from tcoll.env import Settings
 from tcoll.errors import MessageSizeError, PeerLostError, TimeoutError, TransportError
 from tcoll.transport.tcp import TcpTransport, choose_address
-from tcoll.waiting import Doorbell
+from tcoll.p2p.waiting import Doorbell
 
 try:
     from tcoll.store.memory import MemoryStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tcoll import topology as t
+from tcoll.algos import topology as t
 
 SIZES = range(1, 34)
 

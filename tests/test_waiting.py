@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tcoll.waiting import Doorbell, SpinPolicy
+from tcoll.p2p.waiting import Doorbell, SpinPolicy
 
 
 @pytest.mark.timeout(30)

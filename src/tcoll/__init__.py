@@ -6,51 +6,33 @@ tensors, over shared memory inside a host and TCP between hosts.
     import numpy as np, tcoll
     comm = tcoll.init()                      # rank and size from the launcher
     x = np.full(4, comm.rank, dtype=np.float32)
-    comm.send(x, dst=(comm.rank + 1) % comm.size)
+    comm.all_reduce(x)                       # in place: every rank holds the sum
 """
 
-from .comm import Communicator
-from .errors import (
-    MessageSizeError,
-    MismatchError,
-    PeerLostError,
-    RendezvousError,
-    SpawnError,
-    TcollError,
-    TimeoutError,
-    TransportError,
-)
+from .algos.select import explain
+from .api import (algorithms, all_gather, all_gather_object, all_gatherv, all_reduce, all_to_all, all_to_allv,
+                  barrier, broadcast, broadcast_object, dup, gather, gather_object, gatherv, group, irecv, isend,
+                  recv, recv_object, reduce, reduce_scatter, reduce_scatterv, scatter, scatter_object, scatterv,
+                  send, send_object, split)
+from .comm.communicator import Communicator
+from .errors import (MessageSizeError, MismatchError, PeerLostError, RendezvousError, SpawnError, TcollError,
+                     TimeoutError, TransportError)
 from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
-from .select import explain
-from .shortcuts import algorithms, make_shortcuts
-from .spawn import spawn
-from .work import Work
-from .world import default_communicator, init
-
-_shortcuts = make_shortcuts()
-globals().update(_shortcuts)
+from .p2p.work import Work
+from .startup.init import default_communicator, init
+from .startup.spawn import spawn
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Communicator",
-    "Work",
-    "Op",
+    "Communicator", "Work", "Op",
     "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC",
-    "loc_pairs",
-    "algorithms",
-    "explain",
-    "init",
-    "spawn",
-    "default_communicator",
-    "TcollError",
-    "RendezvousError",
-    "TimeoutError",
-    "PeerLostError",
-    "MessageSizeError",
-    "MismatchError",
-    "TransportError",
-    "SpawnError",
-    "__version__",
-    *_shortcuts,
+    "loc_pairs", "algorithms", "explain", "init", "spawn", "default_communicator",
+    "TcollError", "RendezvousError", "TimeoutError", "PeerLostError", "MessageSizeError", "MismatchError",
+    "TransportError", "SpawnError", "__version__",
+    "send", "recv", "isend", "irecv",
+    "all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all",
+    "barrier", "all_gatherv", "gatherv", "scatterv", "all_to_allv", "reduce_scatterv",
+    "broadcast_object", "all_gather_object", "gather_object", "scatter_object", "send_object", "recv_object",
+    "split", "group", "dup",
 ]

@@ -82,6 +82,15 @@ class Op:
             if result is not out:
                 out[...] = result
 
+    def combine_all(self, parts: list[np.ndarray], out: np.ndarray) -> None:
+        """out = parts[0] op parts[1] op ... in rank order, with no temporary (`out` aliases no part)."""
+        if len(parts) == 1:
+            out[...] = parts[0]
+            return
+        self.combine(parts[0], parts[1], out)
+        for part in parts[2:]:
+            self.combine(out, part, out)
+
     def finish(self, result: np.ndarray, size: int) -> None:
         """Final touch on a complete reduction of `size` contributions (avg divides)."""
 

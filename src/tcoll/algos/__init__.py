@@ -1,12 +1,5 @@
-"""Collective algorithms written on point-to-point, one module per collective.
+"""Collective algorithms written on point-to-point: one module per collective, and what they share.
 
-Importing this package registers every algorithm (see `registry`).
+Owns: the registry, the cost model and its constants (select), how an algorithm runs (team), rank
+arithmetic (topology) and shared building blocks (steps). Imports: p2p and the leaves, never comm or shm.
 """
-
-from . import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather_scatter, reduce, reduce_scatter,
-               shm_direct, shm_movement)
-from .registry import REGISTRY, AlgorithmInfo, Costs, algorithm, lookup, names
-
-__all__ = ["REGISTRY", "AlgorithmInfo", "Costs", "algorithm", "lookup", "names",
-           "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "gather_scatter", "reduce",
-           "reduce_scatter", "shm_direct", "shm_movement"]

@@ -10,57 +10,15 @@ and both ends of a message always agree on that, since every rank knows
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
-from ..schedule import Algorithm, Team
-from ..topology import displacements, fold_role, pof2_below
 from .registry import Costs, algorithm
+from .steps import ring_pass
+from .team import Algorithm, Team
+from .topology import displacements, fold_role, pof2_below
 
-__all__ = ["ring_pass", "ring", "recursive_doubling", "bruck"]
-
-
-def ring_pass(team: Team, buf: np.ndarray, displs: Sequence[int], ring: Sequence[int], pos: int,
-              sub: int = 0, complete_at: int = -1) -> Algorithm:
-    """Ring all-gather of blocks indexed by ring position, pipelined in chunks (shared with broadcast).
-
-    Position j of the ring is team rank ring[j] and starts out holding block j,
-    buf[displs[j]:displs[j + 1]]; this rank is at position `pos`. In step s
-    each rank sends block pos - s to its right neighbour and receives block
-    pos - s - 1 from its left; a chunk received in step s is sent on in step
-    s + 1 as soon as it has arrived, while the next chunks are still arriving.
-    Messages travel on stream `sub`. The position `complete_at` (a broadcast
-    root) already holds every block: it receives nothing, so its buffer may
-    be read-only, and its left neighbour sends it nothing.
-    Wire: every rank sends and receives every block but one, once.
-    Source: the ring all-gather of MPICH (Thakur, Rabenseifner, Gropp 2005).
-    """
-    p = len(ring)
-    if p == 1:
-        return
-    left, right = ring[(pos - 1) % p], ring[(pos + 1) % p]
-    chunk = team.chunk_count(buf.itemsize)
-    full = pos == complete_at
-    feeds_full = (pos + 1) % p == complete_at
-
-    def pieces(block: int) -> list[np.ndarray]:
-        lo, hi = displs[block], displs[block + 1]
-        return [buf[a:min(a + chunk, hi)] for a in range(lo, hi, chunk)]
-
-    # every block arrives once, into its own place: post all receives up front
-    recvs = [] if full else [[team.recv(piece, left, sub) for piece in pieces((pos - s - 1) % p)]
-                             for s in range(p - 1)]
-    sends = []
-    for s in range(p - 1):
-        for k, piece in enumerate(pieces((pos - s) % p)):
-            if s and not full:
-                yield recvs[s - 1][k]  # the chunk to pass on has arrived
-            if not feeds_full:
-                sends.append(team.send(piece, right, sub))
-    waits = sends + (recvs[-1] if recvs else [])
-    if waits:
-        yield waits
+__all__ = ["ring", "recursive_doubling", "bruck"]
 
 
 def _ring_cost(c: Costs, nbytes: int, size: int) -> float:

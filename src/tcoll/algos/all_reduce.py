@@ -11,21 +11,13 @@ import math
 import numpy as np
 
 from ..ops import Op
-from ..schedule import Algorithm, Team
-from ..topology import (
-    FoldRole,
-    displacements,
-    fold_role,
-    pof2_below,
-    ring_neighbours,
-    split_counts,
-)
-from .broadcast import binomial as binomial_broadcast
-from .reduce import tree_reduce
-from .reduce_scatter import FOLD, exchange, fold_in, halving, ring_reduce_scatter
 from .registry import Costs, algorithm
+from .steps import (doubling_all_gather, exchange, fold_in, fold_out, halving, ring_reduce_scatter, tree_broadcast,
+                    tree_reduce)
+from .team import Algorithm, Team
+from .topology import displacements, fold_role, pof2_below, ring_neighbours, split_counts
 
-__all__ = ["binomial", "doubling_all_gather", "fold_out", "naive", "rabenseifner", "recursive_doubling", "ring"]
+__all__ = ["binomial", "naive", "rabenseifner", "recursive_doubling", "ring"]
 
 
 def _lg(size: int) -> int:
@@ -35,13 +27,6 @@ def _lg(size: int) -> int:
 def _fold_extra(c: Costs, nbytes: int, size: int) -> float:
     """The cost of folding a non-power of two in and out: two messages of n bytes and one combine."""
     return 0.0 if size == pof2_below(size) else 2 * (c.alpha + nbytes * c.beta) + nbytes * c.gamma
-
-
-def fold_out(team: Team, role: FoldRole, buf: np.ndarray) -> Algorithm:
-    """The even rank of a folded pair sends the result `buf` to the odd one, which receives it into buf."""
-    if role.partner < 0 or not buf.size:
-        return
-    yield team.send(buf, role.partner, FOLD) if role.active else team.recv(buf, role.partner, FOLD)
 
 
 # -- naive ------------------------------------------------------------------------------------
@@ -171,21 +156,6 @@ def _rabenseifner_cost(c: Costs, nbytes: int, size: int) -> float:
             + _fold_extra(c, nbytes, size))
 
 
-def doubling_all_gather(team: Team, work: np.ndarray, offs: list[int], role: FoldRole, lo: int, hi: int,
-                        sub: int = 0) -> Algorithm:
-    """Undo `halving`: with masks falling, swap the block range held with newrank ^ mask's; both keep both."""
-    mask = role.pof2 >> 1
-    while mask:
-        width = hi - lo
-        other = (lo - width, lo) if role.newrank & mask else (hi, hi + width)
-        works = exchange(team, work[offs[lo]:offs[hi]], work[offs[other[0]]:offs[other[1]]],
-                         role.old_rank(role.newrank ^ mask), sub)
-        if works:
-            yield works
-        lo, hi = min(lo, other[0]), max(hi, other[1])
-        mask >>= 1
-
-
 @algorithm("all_reduce", "rabenseifner", cost=_rabenseifner_cost)
 def rabenseifner(team: Team, buf: np.ndarray, op: Op) -> Algorithm:
     """Rabenseifner: recursive-halving reduce-scatter, then recursive-doubling all-gather.
@@ -235,4 +205,4 @@ def binomial(team: Team, buf: np.ndarray, op: Op) -> Algorithm:
     if team.size == 1 or not buf.size:
         return
     yield from tree_reduce(team, buf, op, 0, copy=False)
-    yield from binomial_broadcast(team.phase(1), buf, 0)
+    yield from tree_broadcast(team.phase(1), buf, 0)

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from ..schedule import Algorithm, Team
-from ..topology import displacements
 from .registry import Costs, algorithm
+from .team import Algorithm, Team
+from .topology import displacements
 
 
 def _pairwise_cost(c: Costs, nbytes: int, size: int) -> float:

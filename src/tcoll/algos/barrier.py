@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from ..schedule import Algorithm, Team
-from ..topology import binomial_children, binomial_parent
 from .registry import Costs, algorithm
+from .team import Algorithm, Team
+from .topology import binomial_children, binomial_parent
 
 _TOKEN = np.empty(0, dtype=np.uint8)  # barrier messages carry no data, only their arrival
 

@@ -6,11 +6,11 @@ import math
 
 import numpy as np
 
-from ..schedule import Algorithm, Team
-from ..topology import (binomial_children, binomial_parent, binomial_subtree_size, displacements, from_vrank,
-                        split_counts, to_vrank)
-from .all_gather import ring_pass
 from .registry import Costs, algorithm
+from .steps import ring_pass, tree_broadcast
+from .team import Algorithm, Team
+from .topology import (binomial_children, binomial_parent, binomial_subtree_size, displacements, from_vrank,
+                       split_counts, to_vrank)
 
 __all__ = ["binomial", "scatter_allgather", "chain"]
 
@@ -30,13 +30,7 @@ def binomial(team: Team, buf: np.ndarray, root: int) -> Algorithm:
     but the root receives n bytes once; p-1 messages of n bytes in all.
     Source: the MPICH binomial broadcast (Thakur, Rabenseifner, Gropp 2005).
     """
-    vrank = to_vrank(team.rank, root, team.size)
-    parent = binomial_parent(vrank)
-    if parent >= 0:
-        yield team.recv(buf, from_vrank(parent, root, team.size))
-    sends = [team.send(buf, from_vrank(child, root, team.size)) for child in binomial_children(vrank, team.size)]
-    if sends:
-        yield sends
+    yield from tree_broadcast(team, buf, root)
 
 
 def _scatter_allgather_cost(c: Costs, nbytes: int, size: int) -> float:

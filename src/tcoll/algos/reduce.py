@@ -11,47 +11,12 @@ import math
 import numpy as np
 
 from ..ops import Op
-from ..schedule import Algorithm, Team
-from ..topology import (
-    displacements,
-    fold_role,
-    from_vrank,
-    pof2_below,
-    split_counts,
-    to_vrank,
-)
-from .reduce_scatter import FOLD, fold_in, halving
 from .registry import Costs, algorithm
+from .steps import FOLD, fold_in, halving, tree_reduce
+from .team import Algorithm, Team
+from .topology import displacements, fold_role, pof2_below, split_counts
 
-__all__ = ["binomial", "reduce_scatter_gather", "tree_reduce"]
-
-
-def tree_reduce(team: Team, buf: np.ndarray, op: Op, tree_root: int, copy: bool) -> Algorithm:
-    """Reduce `buf` up a binomial tree rooted at `tree_root`; returns the result there (None elsewhere).
-
-    In vranks (tree_root = 0), rank v receives from v + mask, for mask = 1,
-    2, 4, ... while v has that bit clear, the partial result of vranks
-    [v+mask, v+2*mask) and combines it on the right of its own, then sends
-    its partial result to v - mask at its lowest set bit. With tree_root 0
-    operands meet in rank order. `copy`: accumulate in a scratch copy (the
-    first time something arrives), leaving buf as it was; else in buf.
-    """
-    p = team.size
-    vrank = to_vrank(team.rank, tree_root, p)
-    acc, tmp = buf, None
-    mask = 1
-    while mask < p:
-        if vrank & mask:
-            yield team.send(acc, from_vrank(vrank - mask, tree_root, p))
-            return None
-        if vrank + mask < p:
-            if tmp is None:
-                tmp = np.empty_like(buf)
-                acc = buf.copy() if copy else buf
-            yield team.recv(tmp, from_vrank(vrank + mask, tree_root, p))
-            op.combine(acc, tmp, acc)
-        mask <<= 1
-    return acc
+__all__ = ["binomial", "reduce_scatter_gather"]
 
 
 def _lg(size: int) -> int:

@@ -1,9 +1,8 @@
 """reduce_scatter algorithms: pipelined ring, recursive halving, pairwise exchange.
 
-Also the building blocks the all_reduce and reduce algorithms share: the
-ring reduce-scatter (`ring_reduce_scatter`), the rank-ordered recursive
-halving over a power of two of ranks (`halving`), and `exchange`, which
-leaves out empty messages (both ends compute the same sizes, so both skip).
+Every algorithm leaves `send` unchanged and writes this rank's reduced
+block into `out`; empty messages are left out (both ends compute the same
+sizes, so both skip).
 """
 
 from __future__ import annotations
@@ -13,141 +12,12 @@ import math
 import numpy as np
 
 from ..ops import Op
-from ..schedule import Algorithm, Team
-from ..topology import FoldRole, displacements, fold_role, pof2_below, ring_neighbours
-from ..work import Work
 from .registry import Costs, algorithm
+from .steps import FOLD, bit_reverse, exchange, halving, ring_reduce_scatter
+from .team import Algorithm, Team
+from .topology import displacements, fold_role, pof2_below
 
-FOLD = 7  # the stream (sub) of the messages that fold extra ranks in and out
-
-__all__ = [
-    "FOLD",
-    "bit_reverse",
-    "exchange",
-    "fold_in",
-    "halving",
-    "pairwise",
-    "recursive_halving",
-    "ring",
-    "ring_reduce_scatter",
-]
-
-
-def exchange(team: Team, out: np.ndarray | None, into: np.ndarray | None, peer: int, sub: int = 0) -> list[Work]:
-    """Send `out` to and receive `into` from `peer`, leaving out empty arrays (and None)."""
-    works = []
-    if out is not None and out.size:
-        works.append(team.send(out, peer, sub))
-    if into is not None and into.size:
-        works.append(team.recv(into, peer, sub))
-    return works
-
-
-def fold_in(team: Team, role: FoldRole, work: np.ndarray, tmp: np.ndarray, op: Op) -> Algorithm:
-    """The odd rank of a folded pair sends `work` to the even one, which combines it on the right."""
-    if role.partner < 0 or not work.size:
-        return
-    if role.active:
-        yield team.recv(tmp[:work.size], role.partner, FOLD)
-        op.combine(work, tmp[:work.size], work)
-    else:
-        yield team.send(work, role.partner, FOLD)
-
-
-def bit_reverse(value: int, bits: int) -> int:
-    """`value` with its lowest `bits` bits in reverse order."""
-    result = 0
-    for _ in range(bits):
-        result = (result << 1) | (value & 1)
-        value >>= 1
-    return result
-
-
-def ring_reduce_scatter(team: Team, data: np.ndarray, offs: list[int], op: Op,
-                        out: np.ndarray | None = None) -> Algorithm:
-    """Reduce block j of `data` (elements offs[j]:offs[j+1]) onto rank j around the ring, pipelined.
-
-    In step s (0..p-2) rank r sends its partial sum of block (r-s-1) mod p to
-    the right and receives block (r-s-2) mod p from the left, which it
-    combines with its own contribution; each block is cut in chunks of
-    team.chunk_count elements that travel independently, so a chunk is passed
-    on as soon as it is combined. With `out` None the partial sums are made
-    in place in `data` and rank r's result ends in its block of `data`;
-    otherwise `data` is only read and the result goes to `out`. Operands are
-    combined out of rank order (received, own).
-    """
-    p, r = team.size, team.rank
-    if p == 1:
-        if out is not None:
-            out[:] = data[offs[0]:offs[1]]
-        return
-    left, right = ring_neighbours(r, p)
-    step = team.chunk_count(data.itemsize)
-    widest = max(offs[j + 1] - offs[j] for j in range(p))
-    bufs = [np.empty(widest, dtype=data.dtype) for _ in range(1 if out is None else 2)]
-    sent: list[list[Work]] = [[], []]  # sends still reading bufs[0] / bufs[1]
-
-    def pieces(block: int) -> list[tuple[int, int]]:
-        start, stop = offs[block], offs[block + 1]
-        return [(lo, min(lo + step, stop)) for lo in range(start, stop, step)]
-
-    first = [team.send(data[lo:hi], right) for lo, hi in pieces((r - 1) % p)]
-    for s in range(p - 1):
-        block, last = (r - s - 2) % p, s == p - 2
-        recv_buf = bufs[s % len(bufs)]
-        if out is not None and sent[s % 2]:
-            yield sent[s % 2]  # recv_buf was sent on two steps ago
-            sent[s % 2] = []
-        base = offs[block]
-        posted = [(team.recv(recv_buf[lo - base:hi - base], left), lo, hi) for lo, hi in pieces(block)]
-        for work, lo, hi in posted:
-            yield work
-            got = recv_buf[lo - base:hi - base]
-            if last:
-                target = data[lo:hi] if out is None else out[lo - base:hi - base]
-            else:
-                target = data[lo:hi] if out is None else got
-            op.combine(got, data[lo:hi], target)
-            if not last:
-                sent[s % 2 if out is not None else 0].append(team.send(target, right))
-    pending = first + sent[0] + sent[1]
-    if pending:
-        yield pending
-
-
-def halving(team: Team, work: np.ndarray, offs: list[int], op: Op, role: FoldRole, tmp: np.ndarray,
-            sub: int = 0) -> Algorithm:
-    """Recursive halving over the fold's pof2 active ranks, in rank order; returns the block range kept.
-
-    `work` holds pof2 blocks (offs has pof2+1 entries). In round k (mask
-    2**k, rising) a rank swaps with newrank ^ mask: the lower one keeps the
-    lower half of its current block range and sends the upper half, the
-    higher one the opposite, and each combines what it receives with the
-    half it keeps, the lower newrank's data on the left. Masks rise so that
-    every partial result covers a contiguous group of ranks (rank order kept
-    for non-commutative ops); newrank v ends with block bit_reverse(v).
-    Wire: n/2 + n/4 + ... = n(pof2-1)/pof2 bytes sent per rank.
-    Source: MPICH's reduce-scatter phase of Rabenseifner's all-reduce.
-    """
-    pof2, newrank = role.pof2, role.newrank
-    lo, hi, mask = 0, pof2, 1
-    while mask < pof2:
-        peer_new = newrank ^ mask
-        mid = (lo + hi) // 2
-        keep, give = ((mid, hi), (lo, mid)) if newrank & mask else ((lo, mid), (mid, hi))
-        mine = work[offs[keep[0]]:offs[keep[1]]]
-        got = tmp[:mine.size]
-        works = exchange(team, work[offs[give[0]]:offs[give[1]]], got, role.old_rank(peer_new), sub)
-        if works:
-            yield works
-        if mine.size:
-            if peer_new < newrank:
-                op.combine(got, mine, mine)
-            else:
-                op.combine(mine, got, mine)
-        lo, hi = keep
-        mask <<= 1
-    return lo, hi
+__all__ = ["pairwise", "recursive_halving", "ring"]
 
 
 # -- ring -------------------------------------------------------------------------------------

@@ -1,29 +1,31 @@
 """The registry of collective algorithms, and the contract each collective's algorithms follow.
 
-An algorithm is registered with `@algorithm(collective, name, cost=...)` and
-is a generator function (see `tcoll.schedule`). Buffers are flat, contiguous,
-typed NumPy arrays; `counts[r]` is the number of elements of rank r's block
-and blocks lie end to end in rank order (`topology.displacements`). The
-signature per collective:
+Two families register here. *Team* algorithms (tcoll.algos) are generator
+functions over point-to-point requests (see `tcoll.algos.team`) and take the
+call's `Team` first. *Direct* algorithms (`direct=True`, tcoll.shm) run to
+completion in the calling thread through an `Arena`, memory every rank of a
+one-host communicator maps, which they take first instead; they serve
+blocking calls only. The dispatcher (tcoll.comm.dispatch) imports both
+families, which registers them, and is the only code that tells them apart.
 
-    all_reduce(team, buf, op)                    buf reduced in place on every rank
-    reduce(team, buf, op, root)                  result in buf on root; others' buf unchanged
-    broadcast(team, buf, root)                   root's buf copied into everyone's
-    all_gather(team, out, counts)                own block of out already filled; fill the rest
-    gather(team, send, out, counts, root)        out is None except on root, whose own block is filled
-    scatter(team, send, out, counts, root)       send is None except on root; root's out is filled
-    reduce_scatter(team, send, out, counts, op)  send is read-only; out gets this rank's reduced block
-    all_to_all(team, send, out, send_counts, recv_counts)  own block already copied
-    barrier(team)
+Buffers are flat, contiguous, typed NumPy arrays; `counts[r]` is the number
+of elements of rank r's block and blocks lie end to end in rank order
+(`topology.displacements`). The signature per collective, after the team or
+arena:
+
+    all_reduce(buf, op)                        buf reduced in place on every rank
+    reduce(buf, op, root)                      result in buf on root; others' buf unchanged
+    broadcast(buf, root)                       root's buf copied into everyone's
+    all_gather(out, counts)                    own block of out already filled; fill the rest
+                                               (direct: own block not filled, passed as `source`)
+    gather(send, out, counts, root)            out is None except on root, whose own block is filled
+    scatter(send, out, counts, root)           send is None except on root; root's out is filled
+    reduce_scatter(send, out, counts, op)      send is read-only; out gets this rank's reduced block
+    all_to_all(send, out, send_counts, recv_counts)  own block already copied
+    barrier()
 
 Algorithms with `ordered=False` combine operands out of rank order and run
 only commutative ops; `uneven=False` ones need equal counts.
-
-*Direct* algorithms (`direct=True`, tcoll.algos.shm_direct) are not
-generators: they take an `Arena` (memory every rank of the communicator maps)
-in place of the team, with the same arguments otherwise, and run to
-completion in the calling thread. They serve blocking calls of communicators
-whose ranks all share one host.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class AlgorithmInfo:
         ordered: safe for non-commutative ops (combines operands in rank order).
         uneven: works when ranks' counts differ.
         summary: one line for `tcoll.explain` and the docs.
-        direct: runs through a shared-memory arena, not point-to-point (see the module docstring).
+        direct: runs through a shared-memory arena, not a Team (see the module docstring).
     """
 
     collective: str

@@ -24,7 +24,7 @@ def _cpu_model() -> str:
 
 def describe_machine() -> str:
     """One line naming the CPU, usable cores, kernel, Python, NumPy and the load average."""
-    from ..waiting import cpu_count
+    from ..p2p.waiting import cpu_count
 
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     return (f"{_cpu_model()}, {cpu_count()} cores usable, Linux {platform.release()}, "

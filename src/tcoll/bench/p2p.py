@@ -155,7 +155,7 @@ def raw_tcp_pair(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
 def run_p2p(transports: list[str], sizes: list[int], repeats: int = 3, raw_tcp: bool = True,
             timeout: float = 600) -> list[P2PRow]:
     """Measure every transport (2 rank processes each) and, optionally, a raw TCP socket."""
-    from ..spawn import spawn
+    from ..startup.spawn import spawn
 
     rows: list[P2PRow] = []
     for transport in transports:

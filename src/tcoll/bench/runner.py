@@ -103,7 +103,7 @@ def tcoll_algorithms(case: str, algorithm: str) -> list[str]:
     """The tcoll algorithms a job list sweeps for `case`."""
     if algorithm != "all":
         return [algorithm]
-    from ..shortcuts import algorithms
+    from ..api import algorithms
 
     return ["auto", *algorithms(case)]
 
@@ -278,7 +278,7 @@ def tcoll_worker(comm: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
 def run_tcoll(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Sweep the plan on n tcoll rank processes (tcoll.spawn; tcoll picks shm on one host)."""
     from ..errors import SpawnError, TimeoutError
-    from ..spawn import spawn
+    from ..startup.spawn import spawn
 
     try:
         return spawn(tcoll_worker, n, (plan,), timeout=timeout)[0]

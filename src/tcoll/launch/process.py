@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 
 from tcoll.launch.output import LineForwarder
-from tcoll.transport.shm_names import SHM_DIR, remove_shm_segments
+from tcoll.segments import SHM_DIR, remove_shm_segments
 
 __all__ = [
     "SHM_DIR",

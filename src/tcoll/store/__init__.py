@@ -1,8 +1,7 @@
 """Key-value stores the ranks of a job meet through: memory, file, TCP, and torch's.
 
-`TorchStore` and `open_store` are loaded on first use: the first so that
-importing tcoll never imports torch's machinery, the second because it lives in
-`tcoll.rendezvous`, which itself imports this package.
+Owns: the Store interface and its implementations, the TCP store's server and wire format.
+May import: the leaves only. `TorchStore` is loaded on first use, so importing tcoll never imports torch.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from .memory import MemoryStore
 from .tcp import TCPStore, TCPStoreServer
 
 if TYPE_CHECKING:
-    from ..rendezvous import open_store
     from .torch_store import TorchStore
 
 __all__ = [
@@ -27,7 +25,6 @@ __all__ = [
     "TCPStore",
     "TCPStoreServer",
     "TorchStore",
-    "open_store",
 ]
 
 
@@ -36,8 +33,4 @@ def __getattr__(name: str) -> Any:
         from .torch_store import TorchStore
 
         return TorchStore
-    if name == "open_store":
-        from ..rendezvous import open_store
-
-        return open_store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,15 +9,15 @@ first: the one ordering an any-source receive can disturb.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..errors import PeerLostError
 from ..errors import TimeoutError as TcollTimeout
+from ..p2p.work import wait_any
 from .tensors import Contiguous, copy_message
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class AnySource:
         succeeded = [p for p in finished if receives[p].exception() is None]
         winner = min(succeeded or finished)  # a live sender beats a peer that was lost meanwhile
         for peer, work in receives.items():
-            if peer == winner or comm._engine.cancel(work):
+            if peer == winner or work.cancel():
                 continue
             try:
                 work.wait(comm.timeout)
@@ -90,16 +90,12 @@ class FirstOf:
         return None
 
     def wait(self, timeout: float | None = None) -> None:
-        engine = self.comm._engine
         limit = self.comm.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        while not self.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TcollTimeout(f"recv from any rank did not complete within {limit:g} s",
-                                   list(self.works))
-            engine.block_unless(lambda: any(w._done for w in self.works.values()), min(left, 1.0))
+        try:
+            wait_any(list(self.works.values()), limit)
+        except TcollTimeout:
+            raise TcollTimeout(f"recv from any rank did not complete within {limit:g} s", list(self.works)) from None
 
     def abort(self, error: BaseException) -> None:
         for work in self.works.values():
-            self.comm._engine.cancel(work)
+            work.cancel()

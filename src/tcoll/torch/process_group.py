@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..env import Settings
 from ..errors import TcollError
 from ..store.torch_store import TorchStore

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..buffers import as_array
 from ..errors import TcollError
 from ..ops import as_op

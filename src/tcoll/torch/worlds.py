@@ -5,10 +5,8 @@ hands it the group's store. The default group meets through that store and
 becomes a tcoll world of its own. A later group of ranks of that world
 (`new_group`, `new_subgroups`) becomes a sub-communicator of it: it shares the
 world's channels and gets a communicator context that its members agree on
-through the group's store (each member publishes the lowest context it has
-not used; all take the largest and move past it). A non-member never hears
-of the group, and needs not: contexts only have to differ between
-communicators that share ranks, and every member moves past the one chosen.
+through the group's store (`Communicator.create_group`). A non-member never
+hears of the group, and needs not.
 
 A group whose ranks are not all in the current world (the default group is
 not tcoll, or was destroyed) meets as a world of its own.
@@ -25,10 +23,10 @@ import secrets
 import threading
 from collections.abc import Sequence
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..env import Settings
 from ..store.base import Store
-from ..world import connect
+from ..startup.init import connect
 
 __all__ = ["open_world", "open_group", "current_world", "forget_world"]
 
@@ -119,11 +117,6 @@ def open_group(store: Store, rank: int, size: int, global_ranks: Sequence[int], 
     if world is None or len(ranks) != size or not all(0 <= r < world.size for r in ranks) or \
             ranks[rank] != world.rank:
         return open_world(store, rank, size, timeout, master_host, default=False)
-    engine = world._engine
-    store.set(f"tcoll/context/{rank}", str(engine.next_context).encode())
-    offered = store.multi_get([f"tcoll/context/{r}" for r in range(size)], timeout)
-    context = max(int(value) for value in offered)
-    engine.next_context = max(engine.next_context, context + 1)
-    comm = world._child([world.world_ranks[r] for r in ranks], context)
+    comm = world.create_group(ranks, store, timeout)
     comm.timeout = timeout
     return comm

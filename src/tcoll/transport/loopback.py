@@ -16,8 +16,9 @@ from collections import deque
 from typing import Any
 
 from ..errors import PeerLostError
-from ..work import SendWork, Work
-from .base import Card, Channel, Transport
+from ..p2p.channel import Channel
+from ..p2p.work import SendWork, Work
+from .base import Card, Transport
 
 __all__ = ["LoopbackTransport", "LoopbackChannel"]
 

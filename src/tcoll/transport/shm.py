@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import PeerLostError, TransportError
-from ..waiting import FUTEX_AVAILABLE, Doorbell
-from ..work import RecvWork, SendWork, Work
-from .base import HEADER, MAGIC, Card, Channel, Transport, unpack_header
-from .shm_names import SHM_DIR, segment_name
+from ..p2p.channel import HEADER, MAGIC, Channel, unpack_header
+from ..p2p.waiting import FUTEX_AVAILABLE, Doorbell
+from ..p2p.work import RecvWork, SendWork, Work
+from ..segments import SHM_DIR, Segment, segment_name
+from .base import Card, Transport
 
 __all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR"]
 
@@ -48,6 +49,7 @@ _RING_CTL = 128  # head on the first cache line, tail on the second
 _HEAD, _TAIL = 0, 8  # indexes into the control words, viewed as uint64
 _SMALL = 4096  # copies below this go through memoryview (less overhead than NumPy)
 _TOTAL_BUDGET = 256 << 20  # default bytes of rings per host, split among the pairs
+_HINT = "a smaller TCOLL_SHM_RING, a larger /dev/shm, or TCOLL_TRANSPORT=tcp may help"
 
 
 def host_identity() -> str:
@@ -100,44 +102,6 @@ class _Ring:
         self.np = None  # type: ignore[assignment]  # drops its export of the mapping
 
 
-class _Segment:
-    """A file in /dev/shm mapped into this process."""
-
-    def __init__(self, name: str, size: int | None) -> None:
-        self.name = name
-        self.path = os.path.join(SHM_DIR, name)
-        create = size is not None
-        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if size is not None:
-                os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size)  # allocate now, not on first touch in the hot path
-            else:
-                size = os.fstat(fd).st_size
-            self.size = size
-            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except OSError as exc:
-            if create:
-                self.unlink()
-            raise TransportError(f"cannot {'create' if create else 'map'} {self.path} ({size} B): {exc}; "
-                                 "a smaller TCOLL_SHM_RING, a larger /dev/shm, or TCOLL_TRANSPORT=tcp "
-                                 "may help") from exc
-        finally:
-            os.close(fd)
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-    def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:  # a user still holds a view: the mapping goes when it is dropped
-            pass
-
-
 class ShmTransport(Transport):
     """Channels through shared memory, for peers on this host."""
 
@@ -145,8 +109,8 @@ class ShmTransport(Transport):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._own: _Segment | None = None
-        self._peers: dict[int, _Segment] = {}
+        self._own: Segment | None = None
+        self._peers: dict[int, Segment] = {}
         self._channels: list[ShmChannel] = []
         self._doorbell: Doorbell | None = None
         self._closed_word: memoryview | None = None
@@ -172,14 +136,14 @@ class ShmTransport(Transport):
         name = segment_name(self.run_id, me, secrets.token_hex(4))
         try:
             # One inbound ring per peer, in the order of the peers' ranks.
-            self._own = _Segment(name, _CONTROL + stride * len(peers))
+            self._own = Segment.create(os.path.join(SHM_DIR, name), _CONTROL + stride * len(peers), _HINT)
             store.set(f"segment/{me}", f"{name}:{ring}".encode())
             for peer in peers:
                 peer_name, _, peer_ring = store.get(f"segment/{peer}", timeout).decode().rpartition(":")
                 if int(peer_ring) != ring:
                     raise TransportError(f"rank {peer} sized its shm rings {peer_ring} B, rank {me} {ring} B; "
                                          "set TCOLL_SHM_RING alike on every rank")
-                self._peers[peer] = _Segment(peer_name, None)
+                self._peers[peer] = Segment.open(os.path.join(SHM_DIR, peer_name))
             store.set(f"mapped/{me}", b"1")
             store.wait([f"mapped/{peer}" for peer in peers], timeout)
         finally:

@@ -26,14 +26,15 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PeerLostError, TransportError
-from .base import HEADER, Card, Channel, Transport, pack_header, unpack_header
+from ..p2p.channel import HEADER, Channel, pack_header, unpack_header
+from .base import Card, Transport
 from .tcp_connect import connect_all, open_listener
 
 if TYPE_CHECKING:
-    from ..engine import Engine
     from ..env import Settings
+    from ..p2p.engine import Engine
+    from ..p2p.work import RecvWork, SendWork, Work
     from ..store import Store
-    from ..work import RecvWork, SendWork, Work
 
 __all__ = ["TcpChannel", "TcpTransport", "choose_address"]
 
@@ -267,17 +268,12 @@ class TcpChannel(Channel):
 
 
 class TcpTransport(Transport):
-    """TCP channels to peers on any host.
-
-    Set `master_host` (the rendezvous master's host, or None) before `prepare()`;
-    it decides which local address to listen on.
-    """
+    """TCP channels to peers on any host; `master_host` decides which local address to listen on."""
 
     name = "tcp"
 
-    def __init__(self, engine: Engine, settings: Settings, run_id: str) -> None:
-        super().__init__(engine, settings, run_id)
-        self.master_host: str | None = None
+    def __init__(self, engine: Engine, settings: Settings, run_id: str, master_host: str | None = None) -> None:
+        super().__init__(engine, settings, run_id, master_host)
         self._listener: socket.socket | None = None
         self._channels: list[TcpChannel] = []
         self._epoll: select.epoll | None = None

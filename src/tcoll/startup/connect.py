@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .engine import Engine
-from .env import Settings
-from .errors import TransportError
+from ..env import Settings
+from ..errors import TransportError
+from ..p2p.engine import Engine
+from ..p2p.waiting import Doorbell
+from ..store.base import Store
+from ..transport.base import Card, Transport
+from ..transport.loopback import LoopbackTransport
+from ..transport.shm import ShmTransport, host_identity
+from ..transport.tcp import TcpTransport
 from .rendezvous import exchange_cards
-from .store.base import Store
-from .transport.base import Card, Transport
-from .transport.loopback import LoopbackTransport
-from .transport.shm import ShmTransport, host_identity
-from .transport.tcp import TcpTransport
-from .waiting import Doorbell
 
 __all__ = ["connect_world", "TRANSPORTS"]
 
@@ -48,11 +48,10 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
         TransportError: a pair of ranks has no usable transport.
     """
     engine = Engine(rank, size, settings, Doorbell.private())
-    transports = [cls(engine, settings, run_id) for cls in _allowed(settings.transport)]
+    transports = [cls(engine, settings, run_id, master_host) for cls in _allowed(settings.transport)]
     try:
         card = _identity_card(rank)
         for transport in transports:
-            transport.master_host = master_host  # type: ignore[attr-defined]
             card[transport.name] = transport.prepare()
         cards = exchange_cards(store, rank, size, card, settings.timeout)
         assignment = _assign(transports, cards, rank, settings.transport)

@@ -8,36 +8,62 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import as_bytes
-from .engine import Engine
-from .groups import GroupMethods
-from .movement import MovementMethods
-from .objects import ObjectMethods
-from .shm_heap import heap_of
-from .vcollectives import VCollectiveMethods
-from .transport.base import Transport
-from .work import Work
+from ..buffers import as_bytes
+from ..errors import TcollError
+from ..p2p.engine import Engine
+from ..p2p.work import Work
+from ..shm.heap import heap_of
+from ..transport.base import Transport
+from . import groups, movement, objects, reductions, uneven
+from .checks import MAX_TAG, check_peer, check_tag
+from .dispatch import Dispatcher
 
 __all__ = ["Communicator", "MAX_TAG"]
 
-MAX_TAG = (1 << 62) - 1
 _LEAVE_TIMEOUT = 10.0  # seconds the store's host waits at close for the others to let go of it
 
 
-class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMethods):
+class Communicator:
     """A group of ranks that exchange messages.
 
     Made by `tcoll.init()` (or `tcoll.spawn`), or from another communicator
-    by `split`, `group` or `dup`; not directly. Point-to-point operations
-    take NumPy arrays, PyTorch CPU tensors, or other contiguous buffers;
-    receives land in place, without an extra copy.
+    by `split`, `group`, `dup` or `create_group`; not directly. Point-to-point
+    operations take NumPy arrays, PyTorch CPU tensors, or other contiguous
+    buffers; receives land in place, without an extra copy. The collectives
+    are written in tcoll.comm.reductions, movement, uneven and objects, and
+    run through the communicator's dispatcher (tcoll.comm.dispatch).
 
     Attributes:
         rank: this process's rank, 0 <= rank < size.
         size: the number of ranks.
-        timeout: the timeout of this communicator's blocking calls, in seconds (settable;
-            `Work.wait(timeout)` of an async call takes its own).
+        run_id: the job's name, shared by its ranks.
     """
+
+    # The collectives, written as functions of the communicator in their own modules.
+    all_reduce = reductions.all_reduce
+    reduce = reductions.reduce
+    reduce_scatter = reductions.reduce_scatter
+    reduce_scatterv = reductions.reduce_scatterv
+    barrier = reductions.barrier
+    broadcast = movement.broadcast
+    all_gather = movement.all_gather
+    gather = movement.gather
+    scatter = movement.scatter
+    all_to_all = movement.all_to_all
+    all_gatherv = uneven.all_gatherv
+    gatherv = uneven.gatherv
+    scatterv = uneven.scatterv
+    all_to_allv = uneven.all_to_allv
+    broadcast_object = objects.broadcast_object
+    all_gather_object = objects.all_gather_object
+    gather_object = objects.gather_object
+    scatter_object = objects.scatter_object
+    send_object = objects.send_object
+    recv_object = objects.recv_object
+    split = groups.split
+    group = groups.group
+    dup = groups.dup
+    create_group = groups.create_group
 
     def __init__(self, engine: Engine, transports: list[Transport], run_id: str, *,
                  world_ranks: list[int] | None = None, context: int = 0, parent: Communicator | None = None) -> None:
@@ -48,28 +74,33 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
         self._world = list(range(engine.size)) if world_ranks is None else world_ranks
         self.rank = self._world.index(engine.rank)
         self.size = len(self._world)
-        self.timeout = engine.settings.timeout
         self._parent = parent
         # Every communicator has its own context: its point-to-point messages
         # travel in engine context 2c and its collectives in 2c + 1, so no
         # message of one communicator can match a receive of another.
-        self._context = context
         self._p2p_ctx = 2 * context
-        self._coll_ctx = 2 * context + 1
-        self._sequence = 0  # collective calls so far; their tags
-        self._forced = engine.settings.forced_algorithms()
-        self._choices = {}
-        self._direct_ok = None
-        self._shm_arena = None
+        self._dispatch = Dispatcher(engine, self._world, 2 * context + 1, run_id, engine.settings.timeout)
         self._closed = False
         self._close_lock = threading.Lock()
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a blocking call of this communicator may take (settable; an async Work's wait takes its own)."""
+        return self._dispatch.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._dispatch.timeout = float(seconds)
+
+    @property
+    def world_ranks(self) -> list[int]:
+        """The world rank of each rank of this communicator."""
+        return list(self._world)
 
     # -- point-to-point ----------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
-            from .errors import TcollError
-
             raise TcollError("the communicator is closed")
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
@@ -92,8 +123,8 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
             PeerLostError: `dst` is known to be gone.
         """
         self._check_open()
-        self._check_peer(dst, "dst")
-        self._check_tag(tag)
+        check_peer(dst, self.size, "dst")
+        check_tag(tag)
         data = as_bytes(buf, writable=False, what="send buffer")
         return self._engine.isend(data, self._world[dst], self._p2p_ctx, tag, buf)
 
@@ -117,8 +148,8 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
             PeerLostError: `src` is known to be gone.
         """
         self._check_open()
-        self._check_peer(src, "src")
-        self._check_tag(tag)
+        check_peer(src, self.size, "src")
+        check_tag(tag)
         data = as_bytes(buf, writable=True, what="receive buffer")
         return self._engine.irecv(data, self._world[src], self._p2p_ctx, tag, buf)
 
@@ -136,7 +167,7 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
         try:
             return work.wait(self.timeout if timeout is None else timeout)
         except BaseException:  # a timeout, or KeyboardInterrupt: nobody will wait for it again
-            self._engine.cancel(work)
+            work.cancel()
             raise
 
     # -- zero-copy buffers -----------------------------------------------------------
@@ -168,7 +199,7 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
         if any(n < 0 for n in shape):
             raise ValueError(f"negative dimensions are not allowed: {shape}")
         self._check_open()
-        if not self._direct_capable():
+        if not self._dispatch.direct_capable():
             return np.zeros(shape, dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return heap_of(self._engine, self.run_id).allocate(nbytes).view(dtype).reshape(shape)
@@ -181,7 +212,7 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
 
     def transport(self, peer: int) -> str:
         """The name of the transport that carries messages to `peer` ("shm", "tcp", ...)."""
-        self._check_peer(peer, "peer")
+        check_peer(peer, self.size, "peer")
         return self._engine.transport_of(self._world[peer])
 
     def own_store(self, store: Any) -> None:
@@ -204,12 +235,7 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
             if self._closed:
                 return
             self._closed = True
-        arena = self._shm_arena
-        if arena is not None:  # a sub-communicator's arena goes with it, not with the world
-            self._shm_arena = None
-            if arena.close in self._engine.closers:
-                self._engine.closers.remove(arena.close)
-            arena.close()
+        self._dispatch.close()  # a sub-communicator's arena goes with it, not with the world
         if self._parent is not None:
             return
         self._engine.close()
@@ -227,8 +253,6 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
         not known to be lost, so its server never vanishes under a rank whose
         last request is still on the wire.
         """
-        from .errors import TcollError
-
         try:
             if getattr(self._store, "server", None) is None:
                 self._store.set(f"leave/{self.rank}", b"1")
@@ -246,21 +270,6 @@ class Communicator(VCollectiveMethods, ObjectMethods, MovementMethods, GroupMeth
 
     def __repr__(self) -> str:
         return f"<tcoll.Communicator rank {self.rank} of {self.size}{' (closed)' if self.closed else ''}>"
-
-    # -- argument checks -----------------------------------------------------------
-
-    def _check_peer(self, peer: Any, name: str) -> None:
-        if type(peer) is int and 0 <= peer < self.size:
-            return
-        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) or not 0 <= peer < self.size:
-            raise ValueError(f"{name}={peer!r} is not a rank of this communicator (0 <= {name} < {self.size})")
-
-    @staticmethod
-    def _check_tag(tag: Any) -> None:
-        if type(tag) is int and 0 <= tag <= MAX_TAG:
-            return
-        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
-            raise ValueError(f"tag={tag!r} must be an integer in [0, 2**62)")
 
 
 _live: set[Communicator] = set()

@@ -1,6 +1,6 @@
 """Shared-memory direct algorithms that move blocks: all_gather, gather, scatter, reduce_scatter, all_to_all.
 
-They follow tcoll.algos.shm_direct: per slot-sized step, the writers copy
+They follow tcoll.shm.vector: per slot-sized step, the writers copy
 their pieces into their slots (or lend their shared buffer, see
 `Communicator.empty`) and publish; the readers copy (or reduce) straight
 out of the slots. Counts may differ per rank except in all_to_all.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arena import Arena
+from ..algos.registry import Costs, algorithm
+from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
+from ..algos.topology import displacements
 from ..ops import Op
-from ..topology import displacements
-from .registry import Costs, algorithm
-from .shm_direct import _COPY, _REDUCE, _SYNC, combine_all, finish_lending, fingerprint, lend
+from .arena import Arena, fingerprint
 
 __all__: list[str] = []
 
@@ -44,17 +44,17 @@ def _write_shares(slot: np.ndarray, raw: np.ndarray, nbytes: list[int], disp: li
 def _move_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
-    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * _SYNC + 2 * nbytes * _COPY
+    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * ARENA_SYNC + 2 * nbytes * ARENA_COPY
 
 
 def _a2a_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
-    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * _SYNC + 2 * (size - 1) / size * nbytes * _COPY
+    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * ARENA_SYNC + 2 * (size - 1) / size * nbytes * ARENA_COPY
 
 
 def _rs_cost(c: Costs, nbytes: int, size: int) -> float:
-    return _move_cost(c, nbytes, size) + (size - 1) / size * nbytes * _REDUCE if size > 1 else 0.0
+    return _move_cost(c, nbytes, size) + (size - 1) / size * nbytes * ARENA_REDUCE if size > 1 else 0.0
 
 
 @algorithm("all_gather", "shm", cost=_move_cost, direct=True)
@@ -114,7 +114,7 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
     piece = arena.slot_bytes  # bytes: blocks are only moved
     steps = _steps(nbytes, piece)
     if me != root:
-        ref = lend(arena, own, total)
+        ref = arena.lend(own, total)
         for index in range(steps):  # a lender takes every step too: step numbers stay equal on all ranks
             lo = index * piece
             step = arena.claim()
@@ -123,11 +123,11 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
             if index == 0:
                 arena.describe(step, fp, ref)
             arena.publish(step)
-        finish_lending(arena, total, ref is not None)
+        arena.finish_lending(total, ref is not None)
         return
     assert out is not None
     _gather_root(arena, out.view(np.uint8), nbytes, piece, steps, fp)
-    finish_lending(arena, total, False)
+    arena.finish_lending(total, False)
 
 
 def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, steps: int,
@@ -179,7 +179,7 @@ def scatter(arena: Arena, send: np.ndarray | None, out: np.ndarray, counts: list
     if me == root:
         assert send is not None
         raw = send.view(np.uint8)
-        ref = lend(arena, raw, total)
+        ref = arena.lend(raw, total)
         for index in range(1 if ref is not None else _steps(nbytes, share)):
             lo = index * share
             step = arena.claim()
@@ -188,10 +188,10 @@ def scatter(arena: Arena, send: np.ndarray | None, out: np.ndarray, counts: list
             if index == 0:
                 arena.describe(step, fp, ref)
             arena.publish(step)
-        finish_lending(arena, total, ref is not None)
+        arena.finish_lending(total, ref is not None)
         return
     _scatter_receive(arena, out.view(np.uint8), nbytes, disp, share, root, fp)
-    finish_lending(arena, total, False)
+    arena.finish_lending(total, False)
 
 
 def _scatter_receive(arena: Arena, raw: np.ndarray, nbytes: list[int], disp: list[int], share: int, root: int,
@@ -233,7 +233,7 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
     if total == 0:
         return
     raw = send.view(np.uint8)
-    ref = lend(arena, raw, total)
+    ref = arena.lend(raw, total)
     fp = fingerprint("reduce_scatter", dtype, total)
     share = _share(arena, item)
     disp = displacements(nbytes)
@@ -257,8 +257,8 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
             at, end = me * share, me * share + hi - lo
             parts = [(arena.slot(q, step)[at:end] if src is None else src[disp[me] + lo:disp[me] + hi]).view(dtype)
                      for q, src in enumerate(sources)]
-            combine_all(op, parts, out_raw[lo:hi].view(dtype))
-    finish_lending(arena, total, ref is not None)
+            op.combine_all(parts, out_raw[lo:hi].view(dtype))
+    arena.finish_lending(total, ref is not None)
 
 
 @algorithm("all_to_all", "shm", cost=_a2a_cost, uneven=False, direct=True)
@@ -276,7 +276,7 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
     if size == 1 or total == 0:
         return
     raw, out_raw = send.view(np.uint8), out.view(np.uint8)
-    ref = lend(arena, raw, total)
+    ref = arena.lend(raw, total)
     fp = fingerprint("all_to_all", send.dtype, total)
     share = _share(arena)
     sources: list[np.ndarray | None] = []
@@ -302,4 +302,4 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
             src = sources[q]
             out_raw[q * block + lo:q * block + hi] = (arena.slot(q, step)[me * share:me * share + hi - lo]
                                                       if src is None else src[me * block + lo:me * block + hi])
-    finish_lending(arena, total, ref is not None)
+    arena.finish_lending(total, ref is not None)

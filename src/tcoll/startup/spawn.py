@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .errors import SpawnError
-from .transport.shm_names import remove_shm_segments
+from ..errors import SpawnError
+from ..segments import remove_shm_segments
 
 __all__ = ["spawn"]
 
@@ -80,7 +80,7 @@ def _check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
     """
     import dataclasses
 
-    from .env import Settings
+    from ..env import Settings
 
     fields = {field.name for field in dataclasses.fields(Settings)}
     reserved = sorted(init_kwargs.keys() & {"rank", "size", "store", "init_method", "run_id"})
@@ -98,8 +98,8 @@ def _check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
 
 def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
                    init_kwargs: dict[str, Any]) -> list[Any]:
-    from .store.memory import MemoryStore
-    from .world import init
+    from ..store.memory import MemoryStore
+    from .init import init
 
     store = MemoryStore()
     run_id = secrets.token_hex(6)
@@ -134,7 +134,7 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
         stop_by = time.monotonic() + _GRACE
         for worker in workers:
             worker.join(max(0.0, stop_by - time.monotonic()))
-        from .errors import TimeoutError
+        from ..errors import TimeoutError
 
         raise TimeoutError(f"tcoll.spawn(threads=True) did not finish within {timeout} s; ranks "
                            f"{running} still running", running)
@@ -148,7 +148,7 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
 
 def _first_cause(errors: dict[int, BaseException]) -> int:
     """The rank whose failure is the root cause: not a PeerLostError if another error exists."""
-    from .errors import PeerLostError
+    from ..errors import PeerLostError
 
     primary = [rank for rank, exc in errors.items() if not isinstance(exc, PeerLostError)]
     return min(primary or errors)
@@ -159,7 +159,7 @@ def _first_cause(errors: dict[int, BaseException]) -> int:
 
 def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
                      start_method: str | None, env: dict[str, str], init_kwargs: dict[str, Any]) -> list[Any]:
-    from .store.tcp import TCPStoreServer
+    from ..store.tcp import TCPStoreServer
 
     payload = _pickle_function(fn)  # first: a TypeError here must leave nothing running
     context = _context(start_method)
@@ -214,7 +214,7 @@ def _process_main(payload: bytes, args: tuple[Any, ...], env: dict[str, str], in
                   pipe: Connection) -> None:
     """The body of a rank process: init, run fn, report the result or the error."""
     os.environ.update(env)
-    from .world import init
+    from .init import init
 
     comm = None
     try:
@@ -246,7 +246,7 @@ def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -
     us a moment later: it is held back for up to _GRACE seconds while the other
     ranks report, and raised only if no other failure shows up.
     """
-    from .errors import PeerLostError
+    from ..errors import PeerLostError
 
     results: list[Any] = [None] * len(procs)
     pending = set(range(len(procs)))
@@ -263,7 +263,7 @@ def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -
         if not ready:
             if echo is not None:
                 _raise_failure(*echo)
-            from .errors import TimeoutError
+            from ..errors import TimeoutError
 
             raise TimeoutError(f"tcoll.spawn did not finish within {timeout} s; ranks "
                                f"{sorted(pending)} still running", pending)

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .env import Settings
-from .errors import MessageSizeError, PeerLostError, TcollError, TimeoutError, TransportError
-from .transport.base import Channel
+from ..env import Settings
+from ..errors import MessageSizeError, PeerLostError, TcollError, TimeoutError, TransportError
+from .channel import Channel
 from .waiting import Doorbell, SpinPolicy, cpu_count
 from .work import RecvWork, SendWork, Work
 
@@ -66,8 +66,7 @@ class Engine:
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self._abandoned: deque[tuple[int, int, int]] = deque(maxlen=_ABANDONED_KEPT)  # (ctx, lo, hi) tags
-        self.heap: Any = None  # zero-copy buffers (tcoll.shm_heap), made on first use
-        self.closers: list[Callable[[], None]] = []  # called by close(): arenas, the heap
+        self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
 
     # -- setup ---------------------------------------------------------------
 

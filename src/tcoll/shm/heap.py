@@ -3,7 +3,7 @@
 `Communicator.empty` / `zeros` allocate here. Each buffer is its own file in
 /dev/shm (``tcoll-<run id>-<rank>-heap<id>``, the id random so that no earlier
 job's leftover can collide), mapped by its owner. When a
-direct collective (tcoll.algos.shm_direct) is given such a buffer, the rank
+direct collective (tcoll.shm.vector, tcoll.shm.blocks) is given such a buffer, the rank
 publishes (heap id, offset, length) instead of copying its data into the
 arena; the readers map the file on first sight (and keep a bounded cache of
 mappings) and read straight from it. This is the counterpart of NCCL's
@@ -17,7 +17,6 @@ ranks' buffers mapped, and drop the mappings of files already removed first.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import threading
@@ -27,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TransportError
-from .transport.shm_names import SHM_DIR, segment_name
+from ..errors import TransportError
+from ..segments import SHM_DIR, Segment, segment_name, unlink
 
 __all__ = ["Heap", "heap_of"]
 
@@ -63,32 +62,18 @@ class Heap:
         if self._closed:
             raise TransportError("the communicator that owns this shared-memory heap is closed")
         heap_id = secrets.randbits(62) | 1  # never 0, which descriptors use for "not lent"
-        path = self._path(self._rank, heap_id)
-        length = max(nbytes, 1)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise TransportError(f"cannot create {path}: {exc}") from exc
-        try:
-            os.ftruncate(fd, length)
-            os.posix_fallocate(fd, 0, length)
-            buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except OSError as exc:
-            _unlink(path)
-            raise TransportError(f"cannot allocate {nbytes} B of shared memory in {SHM_DIR}: {exc}") from exc
-        finally:
-            os.close(fd)
-        arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+        segment = Segment.create(self._path(self._rank, heap_id), nbytes)
+        arr = np.frombuffer(segment.map, dtype=np.uint8, count=nbytes)
         with self._lock:
             self._own[heap_id] = (arr.__array_interface__["data"][0], nbytes)
-        weakref.finalize(buf, self._release, heap_id, path)
+        weakref.finalize(segment.map, self._release, heap_id, segment.path)
         return arr
 
     def _release(self, heap_id: int, path: str) -> None:
         """The buffer's last array is gone: forget it and remove its file."""
         with self._lock:
             self._own.pop(heap_id, None)
-        _unlink(path)
+        unlink(path)
 
     def locate(self, arr: np.ndarray) -> tuple[int, int, int] | None:
         """Where `arr` lies in this process's buffers: (heap id, byte offset, nbytes), or None."""
@@ -132,16 +117,11 @@ class Heap:
             mapped -= self._peer_maps.popitem(last=False)[1].nbytes
 
     def _map_peer(self, world_rank: int, heap_id: int) -> np.ndarray:
-        path = self._path(world_rank, heap_id)
         try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                buf = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-        except OSError as exc:
+            segment = Segment.open(self._path(world_rank, heap_id))
+        except TransportError as exc:
             raise TransportError(f"rank {world_rank}'s shared buffer {heap_id} cannot be mapped: {exc}") from exc
-        return np.frombuffer(buf, dtype=np.uint8)
+        return np.frombuffer(segment.map, dtype=np.uint8)
 
     def close(self) -> None:
         """Remove this process's files (arrays stay usable) and drop the peer mappings."""
@@ -149,21 +129,19 @@ class Heap:
             own, self._own = self._own, {}
             self._closed = True
         for heap_id in own:
-            _unlink(self._path(self._rank, heap_id))
+            unlink(self._path(self._rank, heap_id))
         self._peer_maps.clear()
+
+
+_heaps: weakref.WeakKeyDictionary[Any, Heap] = weakref.WeakKeyDictionary()
+_heaps_lock = threading.Lock()
 
 
 def heap_of(engine: Any, run_id: str) -> Heap:
     """The heap of this engine's process (made on first use, removed when the engine closes)."""
-    heap = getattr(engine, "heap", None)
-    if heap is None:
-        heap = engine.heap = Heap(run_id, engine.rank)
-        engine.closers.append(heap.close)
+    with _heaps_lock:
+        heap = _heaps.get(engine)
+        if heap is None:
+            heap = _heaps[engine] = Heap(run_id, engine.rank)
+            engine.closers.append(heap.close)
     return heap
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

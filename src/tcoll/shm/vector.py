@@ -20,74 +20,17 @@ components and of oneCCL, reduced to a step counter per rank.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from ..arena import Arena
+from ..algos.registry import Costs, algorithm
+from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
+from ..algos.topology import part_bounds
 from ..ops import Op
-from .registry import Costs, algorithm
+from .arena import Arena, fingerprint
 
-__all__ = ["SMALL_BYTES", "ZERO_COPY_BYTES"]
+__all__ = ["SMALL_BYTES", "all_reduce", "reduce", "broadcast", "barrier"]
 
 SMALL_BYTES = 16 << 10  # all_reduce/reduce up to this: one step, every rank reduces the whole vector
-ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
-# The cost model of the direct algorithms (fitted to `tcoll bench` on a 2-core machine, docs/performance.md):
-_SYNC = 2e-6  # seconds per step: a counter in shared memory seen by a polling rank, plus Python
-_COPY = 1 / 30e9  # seconds per byte copied into or out of a slot (pieces stay in cache)
-_REDUCE = 1 / 12e9  # seconds per byte combined by a ufunc over slots in cache
-
-_CODES = {name: code for code, name in enumerate(("all_reduce", "reduce", "broadcast", "all_gather", "gather",
-                                                  "scatter", "reduce_scatter", "all_to_all", "barrier"), 1)}
-
-
-def fingerprint(collective: str, dtype: np.dtype, nbytes: int, root: int = 0) -> tuple[int, int]:
-    """Two words that differ when two ranks make different calls at the same point."""
-    return (_CODES[collective] | root << 8 | _dtype_code(dtype) << 32), nbytes
-
-
-@functools.lru_cache(maxsize=256)
-def _dtype_code(dtype: np.dtype) -> int:
-    return dtype.itemsize | ord(dtype.char) << 16
-
-
-def _bounds(count: int, parts: int, index: int) -> tuple[int, int]:
-    """Element range [lo, hi) of part `index` when `count` elements are cut into `parts` near-equal parts."""
-    base, extra = divmod(count, parts)
-    lo = index * base + min(index, extra)
-    return lo, lo + base + (index < extra)
-
-
-def combine_all(op: Op, parts: list[np.ndarray], out: np.ndarray) -> None:
-    """out = parts[0] op parts[1] op ... in rank order, with no temporary (out aliases no part)."""
-    if len(parts) == 1:
-        out[...] = parts[0]
-        return
-    op.combine(parts[0], parts[1], out)
-    for part in parts[2:]:
-        op.combine(out, part, out)
-
-
-def lend(arena: Arena, raw: np.ndarray, total: int) -> tuple[int, int, int] | None:
-    """Where `raw` lies in this rank's shared buffers, if the call is large enough to read it in place."""
-    if total < ZERO_COPY_BYTES or arena.heap is None:
-        return None
-    return arena.heap.locate(raw)
-
-
-def finish_lending(arena: Arena, total: int, lent: bool) -> None:
-    """The closing step of a call that may have read buffers in place: lenders wait for every reader.
-
-    Every rank takes the step when the call is large enough to lend (the
-    same decision everywhere); only the lenders wait in it.
-    """
-    if total < ZERO_COPY_BYTES:
-        return
-    step = arena.skip()
-    arena.publish(step)
-    if lent:
-        arena.wait_all(step)
-
 
 def _raw(arr: np.ndarray) -> np.ndarray:
     return arr.view(np.uint8) if arr.ndim == 1 else arr.reshape(-1).view(np.uint8)
@@ -99,9 +42,9 @@ def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
     if nbytes <= SMALL_BYTES:
-        return _SYNC + nbytes * _COPY + (size - 1) * nbytes * _REDUCE
+        return ARENA_SYNC + nbytes * ARENA_COPY + (size - 1) * nbytes * ARENA_REDUCE
     steps = 2 * -(-nbytes // (1 << 20))
-    return steps * _SYNC + 2 * nbytes * _COPY + (size - 1) / size * nbytes * _REDUCE
+    return steps * ARENA_SYNC + 2 * nbytes * ARENA_COPY + (size - 1) / size * nbytes * ARENA_REDUCE
 
 
 @algorithm("all_reduce", "shm", cost=_reduce_cost, direct=True)
@@ -148,7 +91,7 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: t
         return
     arena.wait_all(step)
     arena.check_peers(step, fp, what)
-    combine_all(op, slots, buf)
+    op.combine_all(slots, buf)
 
 
 def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: tuple[int, int], what: str) -> None:
@@ -156,7 +99,7 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: t
     size, me, dtype = arena.size, arena.rank, buf.dtype
     raw = _raw(buf)
     total = raw.nbytes
-    ref = lend(arena, raw, total)
+    ref = arena.lend(raw, total)
     piece = arena.slot_bytes // dtype.itemsize * dtype.itemsize
     sources: list[np.ndarray | None] = []
     wants_result = root is None or me == root
@@ -173,12 +116,12 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: t
             arena.check_peers(step, fp, what)
             sources = [(raw if ref is not None else None) if q == me else arena.peer_buffer(step, q)
                        for q in range(size)]
-        first, last = _bounds((hi - lo) // dtype.itemsize, size, me)
+        first, last = part_bounds((hi - lo) // dtype.itemsize, size, me)
         a, b = first * dtype.itemsize, last * dtype.itemsize
         parts = [(arena.slot(q, step)[a:b] if src is None else src[lo + a:lo + b]).view(dtype)
                  for q, src in enumerate(sources)]
         result = arena.claim()  # the result lies in rank 0's slot of this step, 1/p written by each rank
-        combine_all(op, parts, arena.slot(0, result)[a:b].view(dtype))
+        op.combine_all(parts, arena.slot(0, result)[a:b].view(dtype))
         arena.publish(result)
         if wants_result or (ref is not None and hi == total):  # a lender waits until nobody reads it
             arena.wait_all(result)
@@ -191,7 +134,7 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: t
 def _broadcast_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
-    return -(-max(nbytes, 1) // (1 << 20)) * _SYNC + 2 * nbytes * _COPY
+    return -(-max(nbytes, 1) // (1 << 20)) * ARENA_SYNC + 2 * nbytes * ARENA_COPY
 
 
 @algorithm("broadcast", "shm", cost=_broadcast_cost, direct=True)
@@ -208,7 +151,7 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
     raw = _raw(buf)
     total = raw.nbytes
     fp = fingerprint("broadcast", buf.dtype, total, root)
-    ref = lend(arena, raw, total) if me == root else None
+    ref = arena.lend(raw, total) if me == root else None
     if me == root:
         step = arena.claim()
         arena.describe(step, fp, ref)
@@ -226,7 +169,7 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
             _broadcast_copy_pieces(arena, raw, step, root)
         else:
             raw[:] = source
-    finish_lending(arena, total, ref is not None)
+    arena.finish_lending(total, ref is not None)
 
 
 def _broadcast_root_pieces(arena: Arena, raw: np.ndarray, step: int) -> None:
@@ -255,7 +198,7 @@ def _broadcast_copy_pieces(arena: Arena, raw: np.ndarray, step: int, root: int) 
 # -- barrier ---------------------------------------------------------------------------------
 
 def _barrier_cost(c: Costs, nbytes: int, size: int) -> float:
-    return _SYNC if size > 1 else 0.0
+    return ARENA_SYNC if size > 1 else 0.0
 
 
 @algorithm("barrier", "shm", cost=_barrier_cost, direct=True)

@@ -34,7 +34,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import RendezvousError, TimeoutError
+from ..errors import RendezvousError, TimeoutError
+from ..store.base import PrefixStore, Store
+from ..store.file import FileStore
+from ..store.memory import MemoryStore
+from ..store.tcp import TCPStore
 from .launchers import (
     DEFAULT_PORT,
     VARIABLE_NAMES,
@@ -45,10 +49,6 @@ from .launchers import (
     read_int,
     split_host_port,
 )
-from .store.base import PrefixStore, Store
-from .store.file import FileStore
-from .store.memory import MemoryStore
-from .store.tcp import TCPStore
 
 __all__ = ["LaunchInfo", "detect", "open_store", "exchange_cards", "store_barrier", "store_leave", "DEFAULT_PORT"]
 
@@ -238,7 +238,7 @@ def open_store(info: LaunchInfo, init_method: str | None = None, timeout: float 
     if method.scheme == "file":
         return FileStore(method.path, timeout)
     if info.torch_agent_store:
-        from .store.torch_store import TorchStore
+        from ..store.torch_store import TorchStore
 
         agent = TorchStore.connect_tcp(info.master_addr, info.master_port, timeout)
         # The agent's store outlives restarts: each attempt must not see the last one's keys.

@@ -1,26 +1,36 @@
-"""Choosing an algorithm: a pure function of the call and an alpha-beta-gamma cost model.
+"""Choosing an algorithm: a pure function of the call and a cost model, with every measured constant.
 
 Each registered algorithm carries its cost formula (Thakur, Rabenseifner and
 Gropp, "Optimization of Collective Communication Operations in MPICH", 2005);
 `choose` evaluates them for the call's size and world and takes the cheapest
 algorithm that is eligible (rank order kept for a non-commutative op, uneven
 counts supported when the call has them). `explain` prints the reckoning.
+
+The constants below are the only measured numbers the choice rests on: the
+alpha-beta-gamma model of each transport, for algorithms over point-to-point,
+and the step, copy and reduce costs of the shared-memory arena, for the
+direct algorithms (`tcoll.shm`). All were fitted to `tcoll bench` runs on a
+2-core machine (docs/performance.md).
 """
 
 from __future__ import annotations
 
-from .algos.registry import REGISTRY, AlgorithmInfo, Costs
+from .registry import REGISTRY, AlgorithmInfo, Costs
 
-__all__ = ["choose", "explain", "ranked", "COSTS"]
+__all__ = ["choose", "explain", "ranked", "eligible", "COSTS", "ARENA_SYNC", "ARENA_COPY", "ARENA_REDUCE"]
 
-# Per-message and per-byte costs of this implementation over each transport,
-# measured with `tcoll bench p2p` on a 2-core machine (docs/performance.md);
-# gamma is NumPy's in-place add over data fresh in cache.
+# Per-message and per-byte costs of point-to-point over each transport
+# (`tcoll bench p2p`); gamma is NumPy's in-place add over data fresh in cache.
 COSTS = {
     "shm": Costs(alpha=12e-6, beta=1 / 8e9, gamma=1 / 6e9),
     "tcp": Costs(alpha=40e-6, beta=1 / 4e9, gamma=1 / 6e9),
     "loopback": Costs(alpha=8e-6, beta=1 / 8e9, gamma=1 / 6e9),
 }
+
+# The shared-memory arena (`tcoll bench all_reduce`, ..., with algorithm shm):
+ARENA_SYNC = 2e-6  # seconds per step: a counter in shared memory seen by a polling rank, plus Python
+ARENA_COPY = 1 / 30e9  # seconds per byte copied into or out of a slot (pieces stay in cache)
+ARENA_REDUCE = 1 / 12e9  # seconds per byte combined by a ufunc over slots in cache
 
 
 def eligible(collective: str, *, ordered: bool = False, uneven: bool = False,

@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .buffers import as_array, empty_like_kind, is_torch
+from ..buffers import as_array, empty_like_kind, is_torch
 
 __all__ = ["META_BYTES", "encode", "decode", "allocate", "dtype_name", "dtype_from_name"]
 

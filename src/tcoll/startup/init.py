@@ -7,11 +7,11 @@ import re
 import threading
 from typing import Any
 
+from ..comm.communicator import Communicator, _on_close, track
+from ..env import Settings
+from ..store.base import Store
 from . import rendezvous
-from .bootstrap import connect_world
-from .comm import Communicator, _on_close, track
-from .env import Settings
-from .store.base import Store
+from .connect import connect_world
 
 __all__ = ["init", "default_communicator", "connect"]
 

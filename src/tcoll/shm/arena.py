@@ -25,7 +25,7 @@ point-to-point traffic, so a sleeping rank still moves its messages.
 
 from __future__ import annotations
 
-import mmap
+import functools
 import os
 import secrets
 import time
@@ -33,25 +33,29 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError
-from .transport.shm_names import SHM_DIR, segment_name
-from .waiting import Doorbell, fence
+from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
+from ..p2p.waiting import Doorbell, fence
+from ..segments import SHM_DIR, Segment, segment_name
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..p2p.engine import Engine
 
-__all__ = ["Arena", "SETS"]
+__all__ = ["Arena", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "fingerprint", "agreed_slot", "create_segment",
+           "open_segment", "encode_address", "decode_address"]
 
 SETS = 2  # slot sets: step k uses set k % SETS
+ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
 _DESC_WORDS = 8  # per rank and set: call fingerprint (2 words), zero-copy buffer (heap id, offset, nbytes)
-_NAME_BYTES = 128
+ADDRESS_BYTES = 128  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>"
+_HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 
 
 class Arena:
     """One communicator's shared-memory arena (see the module docstring).
 
-    Made by `Arena.create` (a collective call over point-to-point), used by
-    the direct algorithms, closed with the communicator.
+    The dispatcher makes it at the communicator's first direct call (rank 0
+    creates the segment, the others open it, see `create_segment`), hands it
+    to the direct algorithms, and closes it with the communicator.
 
     Attributes:
         rank: this rank in the communicator.
@@ -62,8 +66,9 @@ class Arena:
         heap: this process's zero-copy heap (tcoll.shm_heap), or None.
     """
 
-    def __init__(self, engine: Engine, world: list[int], rank: int, buf: mmap.mmap, slot_bytes: int,
+    def __init__(self, engine: Engine, world: list[int], rank: int, segment: Segment, slot_bytes: int,
                  heap: Any) -> None:
+        buf = segment.map
         self.rank = rank
         self.size = len(world)
         self.slot_bytes = slot_bytes
@@ -72,7 +77,7 @@ class Arena:
         self.heap = heap
         self._engine = engine
         self._world = world
-        self._map = buf
+        self._segment: Segment | None = segment
         desc_at, data_at = _layout(self.size)
         self._counters = memoryview(buf)[:8 * self.size].cast("Q")
         self._desc = memoryview(buf)[desc_at:desc_at + 8 * _DESC_WORDS * SETS * self.size].cast("Q")
@@ -97,64 +102,16 @@ class Arena:
                 return False
         return True
 
-    @classmethod
-    def create(cls, comm: Any) -> Arena:
-        """Make the arena of `comm` (collective: every rank of comm calls it at the same point).
-
-        Rank 0 creates the segment and broadcasts its name; every rank maps
-        it; after a barrier (all have mapped) rank 0 unlinks it, so nothing is
-        left in /dev/shm even if the job is killed later.
-
-        Raises:
-            TransportError: the segment cannot be created or mapped.
-        """
-        engine = comm._engine
-        # Rank 0's slot size rules (sent with the name), so a differing setting cannot skew the layout.
-        slot = max(64 * comm.size, (engine.settings.shm_slot + 63) & ~63)
-        name = np.zeros(_NAME_BYTES, dtype=np.uint8)
-        path = ""
-        failure: BaseException | None = None
-        if comm.rank == 0:
-            path = os.path.join(SHM_DIR, segment_name(comm.run_id or "local", engine.rank,
-                                                      "arena" + secrets.token_hex(6)))
-            try:
-                buf = _map_segment(path, _layout(comm.size)[1] + SETS * comm.size * slot, create=True)
-                encoded = f"{slot}:{path}".encode()
-                name[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
-            except TransportError as exc:
-                failure = exc  # the others learn it from the empty name
-        comm._call_algorithm("broadcast", "binomial", name, 0)
-        if failure is not None:
-            raise failure
-        if comm.rank != 0:
-            text = bytes(name).rstrip(b"\0").decode()
-            if not text:
-                raise TransportError("rank 0 could not create the shared-memory collective arena")
-            slot_text, _, path = text.partition(":")
-            slot = int(slot_text)
-            buf = _map_segment(path, _layout(comm.size)[1] + SETS * comm.size * slot, create=False)
-        try:
-            comm._call_algorithm("barrier", "dissemination")
-        finally:
-            if comm.rank == 0:
-                _unlink(path)
-        from .shm_heap import heap_of
-
-        return cls(engine, comm._world, comm.rank, buf, slot, heap_of(engine, comm.run_id))
-
     def close(self) -> None:
         """Release the mapping (idempotent)."""
-        if self._map is None:
+        segment, self._segment = self._segment, None
+        if segment is None:
             return
         self._counters.release()
         self._desc.release()
         self._slots = []
         self._typed = {}
-        try:
-            self._map.close()
-        except BufferError:  # a view is still referenced somewhere: the mapping goes with it
-            pass
-        self._map = None  # type: ignore[assignment]
+        segment.close()
 
     # -- steps ----------------------------------------------------------------------
 
@@ -248,6 +205,27 @@ class Arena:
     def _desc_at(self, step: int, rank: int) -> int:
         return ((step % SETS) * self.size + rank) * _DESC_WORDS
 
+    # -- zero-copy buffers -------------------------------------------------------------
+
+    def lend(self, raw: np.ndarray, total: int) -> tuple[int, int, int] | None:
+        """Where `raw` lies in this rank's shared buffers, if a call of `total` bytes is large enough to lend it."""
+        if total < ZERO_COPY_BYTES or self.heap is None:
+            return None
+        return self.heap.locate(raw)
+
+    def finish_lending(self, total: int, lent: bool) -> None:
+        """The closing step of a call that may have read buffers in place: lenders wait for every reader.
+
+        Every rank takes the step when the call is large enough to lend (the
+        same decision everywhere); only the lenders wait in it.
+        """
+        if total < ZERO_COPY_BYTES:
+            return
+        step = self.skip()
+        self.publish(step)
+        if lent:
+            self.wait_all(step)
+
     # -- failure ----------------------------------------------------------------------
 
     def check_usable(self) -> None:
@@ -305,6 +283,20 @@ class Arena:
                 f"still waiting on rank(s) {behind}", behind))
 
 
+_CODES = {name: code for code, name in enumerate(("all_reduce", "reduce", "broadcast", "all_gather", "gather",
+                                                  "scatter", "reduce_scatter", "all_to_all", "barrier"), 1)}
+
+
+def fingerprint(collective: str, dtype: np.dtype, nbytes: int, root: int = 0) -> tuple[int, int]:
+    """Two words that differ when two ranks make different calls at the same point."""
+    return (_CODES[collective] | root << 8 | _dtype_code(dtype) << 32), nbytes
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_code(dtype: np.dtype) -> int:
+    return dtype.itemsize | ord(dtype.char) << 16
+
+
 def _layout(size: int) -> tuple[int, int]:
     """Byte offsets of the descriptors and of the slots, for `size` ranks (counters come first)."""
     desc_at = (8 * size + 63) & ~63
@@ -312,29 +304,47 @@ def _layout(size: int) -> tuple[int, int]:
     return desc_at, data_at
 
 
-def _map_segment(path: str, size: int, create: bool) -> mmap.mmap:
-    """Create (and allocate) or open the segment at `path`, mapped shared and populated."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        raise TransportError(f"cannot {'create' if create else 'open'} the collective arena {path}: {exc}") from exc
-    try:
-        if create:
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)  # fault the pages in now, not in the first collective
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except OSError as exc:
-        if create:
-            _unlink(path)
-        raise TransportError(f"cannot map the collective arena {path} ({size} B): {exc}; a smaller "
-                             "TCOLL_SHM_SLOT or a larger /dev/shm may help") from exc
-    finally:
-        os.close(fd)
+def arena_bytes(size: int, slot: int) -> int:
+    """Bytes of the segment of an arena of `size` ranks with slots of `slot` bytes."""
+    return _layout(size)[1] + SETS * size * slot
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def agreed_slot(setting: int, size: int) -> int:
+    """The slot size rank 0 chooses from its setting (every rank then uses rank 0's)."""
+    return max(64 * size, (setting + 63) & ~63)
+
+
+def create_segment(run_id: str, world_rank: int, size: int, slot: int) -> Segment:
+    """Create the segment of a new arena (rank 0 does, then tells the others its address).
+
+    Raises:
+        TransportError: /dev/shm has no room.
+    """
+    path = os.path.join(SHM_DIR, segment_name(run_id, world_rank, "arena" + secrets.token_hex(6)))
+    return Segment.create(path, arena_bytes(size, slot), _HINT)
+
+
+def open_segment(path: str) -> Segment:
+    """Map the segment of an arena that rank 0 created.
+
+    Raises:
+        TransportError: it cannot be mapped.
+    """
+    return Segment.open(path)
+
+
+def encode_address(slot: int, path: str) -> np.ndarray:
+    """The ADDRESS_BYTES rank 0 broadcasts: its slot size and the segment's path (all zero: it failed)."""
+    out = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
+    encoded = f"{slot}:{path}".encode()
+    out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+    return out
+
+
+def decode_address(address: np.ndarray) -> tuple[int, str] | None:
+    """(slot, path) from what encode_address made, or None if rank 0 could not create the segment."""
+    text = bytes(address).rstrip(b"\0").decode()
+    if not text:
+        return None
+    slot, _, path = text.partition(":")
+    return int(slot), path

@@ -7,7 +7,8 @@ transport reads and updates their fields directly, under the engine's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Work", "SendWork", "RecvWork"]
+__all__ = ["Work", "SendWork", "RecvWork", "wait_any"]
 
 
 class Work:
@@ -70,6 +71,18 @@ class Work:
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the operation and return its result (same as wait())."""
         return self.wait(timeout)
+
+    def cancel(self) -> bool:
+        """Withdraw the operation if no data has moved for it yet.
+
+        Only a receive that no message has matched can be withdrawn: it fails
+        with TcollError ("cancelled") and the message goes to the next matching
+        receive. Anything else completes as usual.
+
+        Returns:
+            True if the operation was withdrawn.
+        """
+        return False
 
     @property
     def description(self) -> str:
@@ -185,6 +198,12 @@ class RecvWork(Work):
     def description(self) -> str:
         return self._description or f"recv from rank {self.peer} (tag {self.tag}, up to {self.capacity} B)"
 
+    def cancel(self) -> bool:
+        """Withdraw this receive unless a message already matched it (see Work.cancel)."""
+        if self._done or self._engine is None:
+            return False
+        return self._engine.cancel(self)
+
     def _fail(self, error: BaseException) -> None:
         """Fail this receive, and the user's receive that adopted it while it was arriving."""
         super()._fail(error)
@@ -193,3 +212,39 @@ class RecvWork(Work):
 
     def peers(self) -> list[int]:
         return [] if self._done else [self.peer]
+
+
+def wait_any(works: Sequence[Work], timeout: float | None = None) -> int:
+    """Block until one of `works` has completed (or failed); return its index.
+
+    Whoever waits makes progress for every operation of the engine, so the
+    works need not belong to one call.
+
+    Args:
+        works: at least one Work.
+        timeout: seconds to wait at most (None: the engine's timeout setting).
+
+    Returns:
+        The index of a completed work (the lowest, if several are).
+
+    Raises:
+        ValueError: `works` is empty.
+        tcoll.TimeoutError: none completed in time; names the peers still awaited.
+    """
+    if not works:
+        raise ValueError("wait_any needs at least one Work")
+    engine = next((w._engine for w in works if w._engine is not None), None)
+    limit = engine.settings.timeout if timeout is None and engine is not None else timeout
+    deadline = None if limit is None else time.monotonic() + limit
+    while True:
+        for index, work in enumerate(works):
+            if work._done:
+                return index
+        left = None if deadline is None else deadline - time.monotonic()
+        if engine is None or (left is not None and left <= 0):
+            from ..errors import TimeoutError
+
+            peers = sorted({peer for work in works for peer in work.peers()})
+            raise TimeoutError(f"none of {len(works)} operations completed within {limit:g} s; "
+                               f"still waiting on rank(s) {peers}", peers)
+        engine.block_unless(lambda: any(w._done for w in works), min(1.0, left if left is not None else 1.0))

@@ -1,4 +1,4 @@
-"""Running collective algorithms: the Team they talk through and the Work that drives them.
+"""How a collective algorithm runs: the Team it talks through and the Work that steps it.
 
 An algorithm is a generator over point-to-point requests. It posts sends and
 receives through its `Team`, then `yield`s them (a Work, or a list of Works)
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from .engine import Engine
-from .errors import MismatchError
-from .work import RecvWork, Work
+from ..errors import MismatchError
+from ..p2p.engine import Engine
+from ..p2p.work import RecvWork, Work
 
 __all__ = ["Team", "CollectiveWork", "Algorithm", "SUBTAGS"]
 

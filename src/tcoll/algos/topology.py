@@ -7,10 +7,15 @@ that the root of a tree is 0: vrank = (rank - root) mod size.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = [
-    "split_counts", "displacements", "pof2_below", "ring_neighbours",
+    "split_counts", "part_bounds", "displacements", "pof2_below", "ring_neighbours",
     "to_vrank", "from_vrank", "binomial_parent", "binomial_children", "binomial_subtree_size",
-    "fold_role", "FoldRole",
+    "fold_role", "FoldRole", "TreeBlocks",
 ]
 
 
@@ -18,6 +23,13 @@ def split_counts(count: int, parts: int) -> list[int]:
     """Split `count` items into `parts` near-equal blocks, the larger ones first (like np.array_split)."""
     base, extra = divmod(count, parts)
     return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def part_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
+    """Element range [lo, hi) of part `index` when `count` elements are cut into `parts` near-equal parts."""
+    base, extra = divmod(count, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
 
 
 def displacements(counts: list[int]) -> list[int]:
@@ -118,3 +130,55 @@ def fold_role(rank: int, size: int) -> FoldRole:
         active = rank % 2 == 0
         return FoldRole(pof2, active, partner, rank // 2 if active else -1, extra)
     return FoldRole(pof2, True, -1, rank - extra, extra)
+
+
+class TreeBlocks:
+    """Where the blocks of a binomial subtree lie, for the tree gather and scatter.
+
+    Ranks are renumbered so that the root is vrank 0; a subtree is a
+    contiguous range of vranks, so an inner rank handles its subtree's blocks
+    as one contiguous buffer in vrank order. At the root the vrank order is
+    its rank-order buffer rotated left by displacements(counts)[root]
+    elements, so a subtree's range there is one slice, or two when it wraps
+    past rank size-1.
+
+    Attributes:
+        vrank: this rank's vrank.
+        vdispls: element offsets of the vranks' blocks laid end to end in vrank order.
+        children: this rank's children (vranks), largest subtree first.
+        start: where vrank 0's block lies in the root's rank-order buffer.
+    """
+
+    __slots__ = ("size", "root", "vrank", "vdispls", "children", "start")
+
+    def __init__(self, rank: int, size: int, counts: list[int], root: int) -> None:
+        self.size, self.root = size, root
+        self.vrank = to_vrank(rank, root, size)
+        self.vdispls = displacements([counts[from_vrank(v, root, size)] for v in range(size)])
+        self.children = binomial_children(self.vrank, size)
+        self.start = displacements(counts)[root]
+
+    def peer(self, vrank: int) -> int:
+        """The rank of `vrank`."""
+        return from_vrank(vrank, self.root, self.size)
+
+    def span(self, vrank: int) -> tuple[int, int]:
+        """The offsets, in vrank order, of the blocks of vrank's subtree."""
+        last = vrank + binomial_subtree_size(vrank, self.size)
+        return self.vdispls[vrank], self.vdispls[last]
+
+    def at_root(self, buf: np.ndarray, vrank: int) -> list[np.ndarray]:
+        """The root's rank-order buffer's views of vrank's subtree range: one, or two if it wraps."""
+        lo, hi = self.span(vrank)
+        total = buf.size
+        start = self.start + lo
+        if start >= total:
+            start -= total
+        end = start + hi - lo
+        return [buf[start:end]] if end <= total else [buf[start:], buf[:end - total]]
+
+    def in_scratch(self, scratch: np.ndarray, vrank: int) -> np.ndarray:
+        """An inner rank's scratch (its own subtree range) view of vrank's subtree range."""
+        lo, hi = self.span(vrank)
+        base = self.vdispls[self.vrank]
+        return scratch[lo - base:hi - base]

@@ -1,0 +1,129 @@
+"""Sub-communicators: split, group and dup (MPI_Comm_split semantics), and create_group.
+
+A sub-communicator shares its parent's channels and has a context of its
+own, so its messages never meet the parent's or a sibling's: the context
+is the largest "next free context" of the ranks that make it, which every
+member then moves past. Two communicators that share a pair of ranks were
+therefore made at different times by both of those ranks, and their
+contexts differ. split, group and dup agree on it over the parent (all its
+ranks call them); create_group agrees through a store, among the members
+only (MPI_Comm_create_group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..store.base import Store
+    from .communicator import Communicator
+
+__all__ = ["split", "group", "dup", "create_group"]
+
+_NO_COLOR = -1
+
+
+def split(comm: Communicator, color: int | None, key: int | None = None) -> Communicator | None:
+    """Partition the ranks by `color`; collective over this communicator.
+
+    Ranks passing the same color form a new communicator, ordered by
+    `key` (ties by rank here), as MPI_Comm_split does.
+
+    Args:
+        color: a non-negative integer, or None to join no new communicator.
+        key: orders the ranks of the new communicator (default: this rank).
+
+    Returns:
+        The new communicator, or None for color None.
+
+    Raises:
+        ValueError: a negative or non-integer color or key.
+    """
+    if color is not None and (not isinstance(color, (int, np.integer)) or isinstance(color, bool) or color < 0):
+        raise ValueError(f"color must be a non-negative integer or None, not {color!r}")
+    key = comm.rank if key is None else key
+    if not isinstance(key, (int, np.integer)) or isinstance(key, bool):
+        raise ValueError(f"key must be an integer, not {key!r}")
+    engine = comm._engine
+    mine = np.array([_NO_COLOR if color is None else color, key, engine.next_context], dtype=np.int64)
+    table = comm.all_gather(mine, algorithm="auto")
+    context = int(table[:, 2].max())
+    engine.next_context = max(engine.next_context, context + 1)
+    if color is None:
+        return None
+    members = sorted((int(k), r) for r, (c, k, _) in enumerate(table.tolist()) if c == color)
+    return _sub(comm, [comm.world_ranks[r] for _, r in members], context)
+
+
+def group(comm: Communicator, ranks: Sequence[int]) -> Communicator | None:
+    """A communicator of `ranks` (in that order); collective over this communicator.
+
+    Every rank of this communicator calls it with the same list; the ones
+    not in the list get None.
+
+    Raises:
+        ValueError: a rank out of range or listed twice.
+    """
+    ranks = _checked_ranks(ranks, comm.size, "group")
+    if comm.rank not in ranks:
+        return split(comm, None)
+    return split(comm, 0, key=ranks.index(comm.rank))
+
+
+def dup(comm: Communicator) -> Communicator:
+    """A communicator of the same ranks with its own message space; collective."""
+    child = split(comm, 0, key=comm.rank)
+    assert child is not None
+    return child
+
+
+def create_group(comm: Communicator, ranks: Sequence[int], store: Store,
+                 timeout: float | None = None) -> Communicator:
+    """A communicator of `ranks` (in that order), made by those ranks alone.
+
+    Like MPI_Comm_create_group, it is collective over the members only: the
+    other ranks need not call it, nor know of it. The members agree on the
+    new communicator's context through `store` (each publishes the lowest
+    context it has not used; all take the largest and move past it), so the
+    store must be one every member reaches, with keys of its own for this
+    group (a fresh prefix, say).
+
+    Args:
+        ranks: distinct ranks of this communicator, this rank among them.
+        store: where the members meet.
+        timeout: seconds to wait for the other members (default: the communicator's).
+
+    Returns:
+        The new communicator.
+
+    Raises:
+        ValueError: a rank out of range or listed twice, or this rank not listed.
+        tcoll.TimeoutError: a member did not arrive in time.
+    """
+    ranks = _checked_ranks(ranks, comm.size, "create_group")
+    if comm.rank not in ranks:
+        raise ValueError(f"create_group: rank {comm.rank} is not one of the members {ranks}")
+    engine = comm._engine
+    me = ranks.index(comm.rank)
+    store.set(f"tcoll/context/{me}", str(engine.next_context).encode())
+    wait = comm.timeout if timeout is None else timeout
+    offered = store.multi_get([f"tcoll/context/{r}" for r in range(len(ranks))], wait)
+    context = max(int(value) for value in offered)
+    engine.next_context = max(engine.next_context, context + 1)
+    return _sub(comm, [comm.world_ranks[r] for r in ranks], context)
+
+
+def _checked_ranks(ranks: Sequence[Any], size: int, what: str) -> list[int]:
+    checked = [int(r) for r in ranks]
+    if len(set(checked)) != len(checked) or any(not 0 <= r < size for r in checked):
+        raise ValueError(f"{what} needs distinct ranks in [0, {size}); got {checked}")
+    return checked
+
+
+def _sub(comm: Communicator, world_ranks: list[int], context: int) -> Communicator:
+    """A sub-communicator of `comm` over `world_ranks`, sharing its channels, in `context`."""
+    return type(comm)(comm._engine, comm._transports, comm.run_id, world_ranks=world_ranks, context=context,
+                      parent=comm)

@@ -1,0 +1,192 @@
+"""The collectives that move data without reducing it: broadcast, all_gather, gather, scatter, all_to_all.
+
+Each is a Communicator method: it checks its arguments, puts this rank's own
+block where it belongs, and hands the call to the dispatcher. scatter is a
+program of two steps (see `tcoll.comm.dispatch`): root's description of the
+chunks first, so that the other ranks need not pass `out`, then the chunks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..buffers import as_array
+from ..errors import MismatchError
+from . import describe
+from .checks import check_peer, output, stacked_chunks
+from .dispatch import Call, Program
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["broadcast", "all_gather", "gather", "scatter", "all_to_all"]
+
+
+def broadcast(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "auto", async_op: bool = False) -> Any:
+    """Copy `x` of `root` into `x` of every rank.
+
+    Args:
+        x: a contiguous NumPy array or PyTorch CPU tensor (writable except on root).
+        root: the rank whose data is sent.
+        algorithm: "auto", or one of tcoll.algorithms("broadcast").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        x (or a Work whose result() is x).
+
+    Raises:
+        ValueError: root out of range; x not contiguous, or read-only off the root.
+        TypeError: x is not a buffer.
+    """
+    check_peer(root, comm.size, "root")
+    flat = as_array(x, writable=comm.rank != root, what="broadcast buffer").reshape(-1)
+    return comm._dispatch.run(Call("broadcast", (flat, root), flat.nbytes, algorithm=algorithm, result=x), async_op)
+
+
+def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = "auto",
+               async_op: bool = False) -> Any:
+    """Gather every rank's `x` on every rank.
+
+    Args:
+        x: a contiguous NumPy array or PyTorch CPU tensor (same shape and dtype on every rank).
+        out: where to write the result, shape (size, *x.shape); allocated if None.
+        algorithm: "auto", or one of tcoll.algorithms("all_gather").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        The array of shape (size, *x.shape) whose row r is rank r's x.
+
+    Raises:
+        ValueError: out has the wrong shape or dtype; x not contiguous.
+        TypeError: x or out is not a buffer.
+    """
+    arr = as_array(x, writable=False, what="all_gather input")
+    user_out, out_flat = output(x, arr, out, (comm.size, *arr.shape), "all_gather")
+    count = arr.size
+    # The direct algorithm copies this rank's block too, piece by piece, from cache.
+    own = (out_flat[comm.rank * count:(comm.rank + 1) * count], arr.reshape(-1))
+    call = Call("all_gather", (out_flat, [count] * comm.size), arr.nbytes, algorithm=algorithm, result=user_out,
+                staged=own)
+    return comm._dispatch.run(call, async_op)
+
+
+def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
+           async_op: bool = False) -> Any:
+    """Gather every rank's `x` on `root`.
+
+    Args:
+        x: a contiguous NumPy array or PyTorch CPU tensor (same shape and dtype on every rank).
+        root: the rank that gets the result.
+        out: on root, where to write the result, shape (size, *x.shape); ignored elsewhere.
+        algorithm: "auto", or one of tcoll.algorithms("gather").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        On root the array of shape (size, *x.shape); None on the other ranks.
+
+    Raises:
+        ValueError: root out of range; out has the wrong shape or dtype.
+        TypeError: x or out is not a buffer.
+    """
+    check_peer(root, comm.size, "root")
+    arr = as_array(x, writable=False, what="gather input")
+    send = arr.reshape(-1)
+    count = arr.size
+    user_out, out_flat = None, None
+    if comm.rank == root:
+        user_out, out_flat = output(x, arr, out, (comm.size, *arr.shape), "gather")
+        out_flat[root * count:(root + 1) * count] = send
+    call = Call("gather", (send, out_flat, [count] * comm.size, root), arr.nbytes, algorithm=algorithm,
+                result=user_out)
+    return comm._dispatch.run(call, async_op)
+
+
+def scatter(comm: Communicator, chunks: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
+            async_op: bool = False) -> Any:
+    """Send chunk r of `root` to rank r.
+
+    The ranks other than root learn the chunk's shape and dtype from root
+    (a small broadcast comes first), so they need not pass `out`.
+
+    Args:
+        chunks: on root, an array of shape (size, ...) or a list of `size`
+            arrays of one shape and dtype; ignored on the other ranks.
+        root: the rank that holds the chunks.
+        out: where to write this rank's chunk; allocated if None.
+        algorithm: "auto", or one of tcoll.algorithms("scatter").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        This rank's chunk.
+
+    Raises:
+        ValueError: root out of range; wrong number of chunks; chunks differ in shape
+            or dtype; out does not match the chunk.
+        MismatchError: (raised by wait) out does not match the chunk root sends.
+    """
+    check_peer(root, comm.size, "root")
+    send, like = stacked_chunks(chunks, comm.size) if comm.rank == root else (None, None)
+    if algorithm != "auto":  # an unknown name fails here, before anything is sent
+        comm._dispatch.choose("scatter", algorithm, 0, blocking=not async_op)
+    described = np.zeros(describe.META_BYTES, dtype=np.uint8)
+    if send is not None:
+        described[:] = describe.encode(like)
+    return comm._dispatch.run_program(_scatter_steps(comm, send, described, root, out, algorithm), "scatter",
+                                      async_op)
+
+
+def _scatter_steps(comm: Communicator, send: np.ndarray | None, described: np.ndarray, root: int, out: Any,
+                   algorithm: str) -> Program:
+    """scatter as a program: root's description of the chunks, then the chunks."""
+    yield Call("broadcast", (described, root), described.nbytes, label="scatter")
+    kind, dtype, shape = describe.decode(described)
+    user_out, out_flat = _scatter_output(out, kind, dtype, shape)
+    count = out_flat.size
+    if send is not None:
+        out_flat[:] = send[root * count:(root + 1) * count]
+    # Chosen only now, from root's description, so that every rank makes the same choice.
+    yield Call("scatter", (send, out_flat, [count] * comm.size, root), out_flat.nbytes, algorithm=algorithm)
+    return user_out
+
+
+def _scatter_output(out: Any, kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+    """The output of scatter for the chunk root described: the user's (checked) or a new one."""
+    if out is None:
+        user_out, view = describe.allocate(kind, dtype, shape)
+        return user_out, view.reshape(-1)
+    view = as_array(out, writable=True, what="scatter out")
+    if view.shape != shape or view.dtype != dtype:
+        raise MismatchError(f"scatter: the root sends chunks of shape {shape} and dtype {dtype}, "
+                            f"but out has shape {view.shape} and dtype {view.dtype}")
+    return out, view.reshape(-1)
+
+
+def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = "auto",
+               async_op: bool = False) -> Any:
+    """Send part j of `x` to rank j; receive part i of every rank i.
+
+    Args:
+        x: a contiguous array of shape (size, ...).
+        out: where to write what arrives, shape x.shape; allocated if None.
+        algorithm: "auto", or one of tcoll.algorithms("all_to_all").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        The array whose row i came from rank i.
+
+    Raises:
+        ValueError: x.shape[0] != size; out has the wrong shape or dtype.
+    """
+    arr = as_array(x, writable=False, what="all_to_all input")
+    if arr.ndim == 0 or arr.shape[0] != comm.size:
+        raise ValueError(f"all_to_all needs x of shape ({comm.size}, ...): one part per rank; got {arr.shape}")
+    user_out, out_flat = output(x, arr, out, arr.shape, "all_to_all")
+    send = arr.reshape(-1)
+    count = send.size // comm.size
+    mine = slice(comm.rank * count, (comm.rank + 1) * count)
+    out_flat[mine] = send[mine]
+    counts = [count] * comm.size
+    call = Call("all_to_all", (send, out_flat, counts, counts), send.nbytes, algorithm=algorithm, result=user_out)
+    return comm._dispatch.run(call, async_op)

@@ -1,0 +1,151 @@
+"""The reducing collectives: all_reduce, reduce, reduce_scatter, reduce_scatterv, and barrier.
+
+Each is a Communicator method (bound in `tcoll.comm.communicator`): it checks
+its arguments before anything is sent, describes the call and hands it to
+the communicator's dispatcher (`tcoll.comm.dispatch`), which chooses the
+algorithm and runs it. With `async_op=True` the Work is returned; otherwise
+the call's result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..ops import Op
+from .checks import check_peer, output, reduction_input, row_counts
+from .dispatch import Call
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatterv", "barrier"]
+
+
+def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: str = "auto",
+               async_op: bool = False) -> Any:
+    """Reduce `x` over all ranks, in place on every rank.
+
+    Args:
+        x: a contiguous NumPy array or PyTorch CPU tensor (same shape and dtype on every rank).
+        op: "sum", "prod", "min", "max", "avg", "band", "bor", "bxor", "land",
+            "lor", "lxor", "maxloc", "minloc", or a tcoll.Op.
+        algorithm: "auto", or one of tcoll.algorithms("all_reduce").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        x (or a Work whose result() is x).
+
+    Raises:
+        TypeError: the op does not apply to the dtype; x is not a buffer.
+        ValueError: x is not contiguous or is read-only; unknown algorithm.
+    """
+    flat, resolved = reduction_input(x, op, "all_reduce buffer")
+    call = Call("all_reduce", (flat, resolved), flat.nbytes, op=resolved, itemsize=flat.itemsize,
+                algorithm=algorithm, result=x, finish_buf=flat)
+    return comm._dispatch.run(call, async_op)
+
+
+def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, algorithm: str = "auto",
+           async_op: bool = False) -> Any:
+    """Reduce `x` over all ranks into `x` on `root`; x on the other ranks is left as it was.
+
+    Args:
+        x: a contiguous NumPy array or PyTorch CPU tensor.
+        root: the rank that gets the result.
+        op: a reduce op name or tcoll.Op (see all_reduce).
+        algorithm: "auto", or one of tcoll.algorithms("reduce").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        x (or a Work whose result() is x).
+
+    Raises:
+        TypeError, ValueError: as all_reduce; root out of range.
+    """
+    check_peer(root, comm.size, "root")
+    arr, resolved = reduction_input(x, op, "reduce buffer", writable=comm.rank == root)
+    flat = arr.reshape(-1)
+    call = Call("reduce", (flat, resolved, root), flat.nbytes, op=resolved, itemsize=flat.itemsize,
+                algorithm=algorithm, result=x, finish_buf=flat if comm.rank == root else None)
+    return comm._dispatch.run(call, async_op)
+
+
+def reduce_scatter(comm: Communicator, x: Any, op: str | Op = "sum", out: Any = None, *, algorithm: str = "auto",
+                   async_op: bool = False) -> Any:
+    """Reduce `x` over all ranks and give rank r the r-th of `size` equal parts (along axis 0).
+
+    Args:
+        x: a contiguous array whose first dimension divides by size (left unchanged).
+        op: a reduce op name or tcoll.Op (see all_reduce).
+        out: where to write this rank's part, shape (x.shape[0] // size, *x.shape[1:]).
+        algorithm: "auto", or one of tcoll.algorithms("reduce_scatter").
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        This rank's reduced part.
+
+    Raises:
+        ValueError: x.shape[0] does not divide by size; out has the wrong shape or dtype.
+        TypeError: the op does not apply to the dtype.
+    """
+    arr, resolved = reduction_input(x, op, "reduce_scatter buffer", writable=False)
+    if arr.ndim == 0 or arr.shape[0] % comm.size:
+        raise ValueError(f"reduce_scatter splits x along axis 0 into {comm.size} equal parts; "
+                         f"x has shape {arr.shape} (use reduce_scatterv for uneven parts)")
+    part_shape = (arr.shape[0] // comm.size, *arr.shape[1:])
+    user_out, out_flat = output(x, arr, out, part_shape, "reduce_scatter")
+    counts = [out_flat.size] * comm.size
+    return _reduce_scatter(comm, "reduce_scatter", arr.reshape(-1), out_flat, user_out, counts, resolved,
+                           algorithm, async_op)
+
+
+def reduce_scatterv(comm: Communicator, x: Any, counts: Sequence[int], op: str | Op = "sum", out: Any = None, *,
+                    algorithm: str = "auto", async_op: bool = False) -> Any:
+    """Reduce `x` over all ranks and give rank r rows [sum(counts[:r]), sum(counts[:r+1])) of the result.
+
+    Args:
+        x: a contiguous array of shape (sum(counts), ...), same shape and dtype on every rank (left unchanged).
+        counts: the number of rows of each rank's part, the same list on every rank.
+        op: a reduce op name or tcoll.Op (see all_reduce).
+        out: where to write this rank's part, shape (counts[rank], *x.shape[1:]); allocated if None.
+        algorithm: "auto", or one of tcoll.algorithms("reduce_scatter") (uneven-capable if counts differ).
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        This rank's reduced part.
+
+    Raises:
+        ValueError: counts is not `size` non-negative integers summing to x.shape[0]; out has
+            the wrong shape or dtype; the algorithm needs equal counts.
+        TypeError: the op does not apply to the dtype.
+    """
+    arr, resolved = reduction_input(x, op, "reduce_scatterv buffer", writable=False)
+    if arr.ndim == 0:
+        raise ValueError("reduce_scatterv splits x along axis 0; x is 0-d")
+    rows = row_counts(counts, comm.size, arr.shape[0])
+    inner = math.prod(arr.shape[1:])
+    user_out, out_flat = output(x, arr, out, (rows[comm.rank], *arr.shape[1:]), "reduce_scatterv")
+    return _reduce_scatter(comm, "reduce_scatterv", arr.reshape(-1), out_flat, user_out, [n * inner for n in rows],
+                           resolved, algorithm, async_op)
+
+
+def _reduce_scatter(comm: Communicator, label: str, send: np.ndarray, out_flat: np.ndarray, user_out: Any,
+                    counts: list[int], op: Op, algorithm: str, async_op: bool) -> Any:
+    call = Call("reduce_scatter", (send, out_flat, counts, op), send.nbytes, label=label, op=op,
+                itemsize=send.itemsize, uneven=len(set(counts)) > 1, algorithm=algorithm, result=user_out,
+                finish_buf=out_flat)
+    return comm._dispatch.run(call, async_op)
+
+
+def barrier(comm: Communicator, *, algorithm: str = "auto", async_op: bool = False) -> Any:
+    """Return once every rank has called barrier().
+
+    Args:
+        algorithm: "auto", or one of tcoll.algorithms("barrier").
+        async_op: return a Work instead of waiting.
+    """
+    return comm._dispatch.run(Call("barrier", (), 0, algorithm=algorithm), async_op)

@@ -1,0 +1,138 @@
+"""Every shared-memory file tcoll makes: its name, creating and mapping it, removing it, sweeping leftovers.
+
+The shm transport's rings, a communicator's collective arena and the
+zero-copy buffers of `Communicator.empty` all live in files under /dev/shm
+named ``tcoll-<run id>-<rank>-<token>``. One convention, one way to create
+and map them, and one sweep, which `tcoll run` and `tcoll.spawn` use to
+remove what a finished run left behind.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+from .errors import TransportError
+
+__all__ = ["SHM_DIR", "Segment", "segment_name", "unlink", "remove_shm_segments"]
+
+SHM_DIR = "/dev/shm"
+
+
+def segment_name(run_id: str, rank: int, token: str) -> str:
+    """The name of a rank's segment: tcoll-<run id>-<rank>-<token>."""
+    return f"tcoll-{run_id or 'local'}-{rank}-{token}"
+
+
+def unlink(path: str) -> None:
+    """Remove the file at `path` if it is still there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class Segment:
+    """A file in /dev/shm, mapped shared into this process.
+
+    Make one with `Segment.create` (a new file, its pages allocated at once,
+    so that no page fault lands in a hot path) or `Segment.open` (a file
+    another rank created).
+
+    Attributes:
+        path: the file's path.
+        size: bytes mapped.
+        map: the shared mapping.
+    """
+
+    def __init__(self, path: str, size: int, mapping: mmap.mmap) -> None:
+        self.path = path
+        self.size = size
+        self.map = mapping
+
+    @classmethod
+    def create(cls, path: str, size: int, hint: str = "") -> Segment:
+        """Create the file at `path` (it must not exist), allocate `size` bytes and map them.
+
+        Args:
+            path: where, usually os.path.join(SHM_DIR, segment_name(...)).
+            size: bytes (at least 1 is allocated).
+            hint: what may help when /dev/shm is too small, added to the error.
+
+        Raises:
+            TransportError: the file exists or /dev/shm has no room; nothing is left behind.
+        """
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create {path}: {exc}") from exc
+        length = max(size, 1)
+        try:
+            os.ftruncate(fd, length)
+            os.posix_fallocate(fd, 0, length)  # allocate now, not on first touch in a hot path
+            return cls(path, size, _map(fd, length))
+        except OSError as exc:
+            unlink(path)
+            raise TransportError(f"cannot allocate {size} B of shared memory at {path}: {exc}"
+                                 + (f"; {hint}" if hint else "")) from exc
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def open(cls, path: str) -> Segment:
+        """Map the whole file at `path`, made by another rank.
+
+        Raises:
+            TransportError: the file is gone or cannot be mapped.
+        """
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                return cls(path, size, _map(fd, size))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise TransportError(f"cannot map {path}: {exc}") from exc
+
+    def unlink(self) -> None:
+        """Remove the file; the mapping stays valid (and so do other ranks' mappings)."""
+        unlink(self.path)
+
+    def close(self) -> None:
+        """Unmap, unless a view is still exported (then the mapping goes with the last view)."""
+        try:
+            self.map.close()
+        except BufferError:
+            pass
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+def remove_shm_segments(run_id: str, directory: str = SHM_DIR) -> list[str]:
+    """Delete the shared-memory files of a run: ``<directory>/tcoll-<run_id>-*``.
+
+    Args:
+        run_id: the run's id; empty does nothing.
+        directory: where POSIX shared memory lives.
+
+    Returns:
+        The names removed.
+    """
+    if not run_id:
+        return []
+    head, removed = f"tcoll-{run_id}-", []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if name.startswith(head):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
