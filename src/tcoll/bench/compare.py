@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .runner import BenchError
+from . import BenchError
 
 __all__ = ["TARGETS", "missing", "mpiexec", "run_gloo", "run_mpi", "versions"]
 

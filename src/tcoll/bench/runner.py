@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from . import BenchError
 from .collectives import (
     CASES,
     BenchCase,
@@ -48,10 +49,6 @@ from .collectives import (
 
 __all__ = ["Backend", "BenchConfig", "BenchError", "LoadGenerator", "iterations", "measurements", "run_bench",
            "sweep", "tcoll_worker", "warmups"]
-
-
-class BenchError(RuntimeError):
-    """An implementation's ranks failed or timed out."""
 
 
 def iterations(nbytes: int) -> int:

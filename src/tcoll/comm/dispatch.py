@@ -273,7 +273,7 @@ class Dispatcher:
                              f"{', '.join(i.name for i in select.eligible(collective, ordered=True))})")
         if uneven and not info.uneven:
             raise ValueError(f"{collective} algorithm {algorithm!r} needs equal counts on every rank")
-        if info.direct and not direct:
+        if not direct and info.direct:
             why = ("it runs only blocking calls (async_op=False)" if not blocking else
                    "it needs every rank of the communicator on this host, connected by shared memory")
             raise ValueError(f"{collective} algorithm {algorithm!r} cannot run this call: {why}")
@@ -369,7 +369,6 @@ class Dispatcher:
             *args: the algorithm's arguments after the team or arena (see tcoll.algos.registry).
             async_op: return the Work instead of waiting.
         """
-        info = lookup(collective, name)
-        if info.direct:
-            self._resolve(collective, name, 0, False, False, self.direct_capable() and not async_op, not async_op)
+        blocking = not async_op
+        info = self._resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
         return self._execute(info, Call(collective, args, 0), self._next(), 0, async_op, [None])

@@ -21,7 +21,8 @@ from ..p2p.work import wait_any
 from .tensors import Contiguous, copy_message
 
 if TYPE_CHECKING:
-    from .process_group import ProcessGroupTcoll, TcollWork
+    from .process_group import ProcessGroupTcoll
+    from .work import TcollWork
 
 __all__ = ["AnySource", "FirstOf"]
 

@@ -32,7 +32,6 @@ C++ allreduce hook.
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future
 
 from ..comm.communicator import Communicator
 from ..env import Settings
@@ -50,8 +48,9 @@ from . import worlds
 from .anysource import AnySource
 from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, copy_message, fill, finisher, np_bytes, np_view,
                       pieces, reduce_source, reduce_target, row_bytes)
+from .work import Finish, TcollWork, chain, each, result_of, seconds
 
-__all__ = ["ProcessGroupTcoll", "TcollWork", "create_backend", "empty", "BACKEND_NAME"]
+__all__ = ["ProcessGroupTcoll", "create_backend", "empty", "BACKEND_NAME"]
 
 BACKEND_NAME = "tcoll"
 
@@ -67,115 +66,11 @@ _SIMPLE_DTYPES = NATIVE
 _INTERNAL_TAG = 1 << 61  # tags of the backend's own messages: far above any tag a torch program uses
 _INTERNAL_TAGS = 1 << 60
 
-Finish = Callable[[], None]
 
 
 def _async_requested(opts: Any) -> bool:
     """Whether to start this call asynchronously: only if asked, and TCOLL_TORCH_ASYNC=1."""
     return bool(getattr(opts, "asyncOp", False)) and os.environ.get("TCOLL_TORCH_ASYNC", "0") == "1"
-
-
-def _seconds(timeout: Any) -> float | None:
-    """A torch timeout (timedelta, milliseconds or None; zero or negative means none) in seconds."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout) / 1000.0
-    return seconds if seconds > 0 else None
-
-
-class TcollWork(dist._Work):
-    """What every call returns: the tcoll Works it started, and what to do once they are done.
-
-    `wait()` completes them (raising what they failed with), `get_future()`
-    too, and gives a Future already completed with the list of output tensors.
-    """
-
-    def __init__(self, pg: ProcessGroupTcoll, outputs: list[torch.Tensor], pending: Sequence[Any] = (),
-                 finish: Finish | None = None, source: int = -1) -> None:
-        super().__init__()
-        self._pg = pg
-        self._outputs = outputs
-        self._pending = list(pending)
-        self._finish = finish
-        self._error: BaseException | None = None
-        self._future: Future | None = None
-        self._source = source
-        if not self._pending:
-            self._run_finish()
-
-    def _run_finish(self) -> None:
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            try:
-                finish()
-            except BaseException as exc:
-                self._error = exc
-                raise
-
-    def _complete(self, timeout: float | None) -> None:
-        """Wait for every tcoll Work, then run the finishing step; raise what failed."""
-        if self._error is not None:
-            raise self._error
-        budget = self._pg.comm.timeout if timeout is None else timeout
-        while self._pending:
-            work = self._pending[0]
-            try:
-                work.wait(budget)
-            except BaseException as exc:
-                abort = getattr(work, "abort", None)
-                if abort is not None:
-                    abort(exc)
-                self._error, self._pending = exc, []
-                raise
-            self._pending.pop(0)
-        self._run_finish()
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Block until the operation completes; raise the error it failed with."""
-        self._complete(_seconds(timeout))
-        return True
-
-    def get_future(self) -> Future:
-        """A Future holding the output tensors; completes the operation first (raising if it failed)."""
-        if self._future is None:
-            self._complete(None)
-            future: Future = Future()
-            future.set_result(self._outputs)
-            self._future = future
-        return self._future
-
-    def is_completed(self) -> bool:
-        if self._error is not None:
-            return True
-        return all(work.done() for work in self._pending)
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None and all(w.exception() is None for w in self._pending)
-
-    def exception(self) -> BaseException | None:
-        if self._error is not None:
-            return self._error
-        return next((w.exception() for w in self._pending if w.exception() is not None), None)
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._outputs
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def source_rank(self) -> int:
-        self.wait()
-        return self._source
-
-    def _source_rank(self) -> int:
-        return self.source_rank()
-
-    def block_current_stream(self) -> None:
-        self.wait()
-
-    def get_future_result(self) -> Future:
-        return self.get_future()
 
 
 class ProcessGroupTcoll(dist.ProcessGroup):
@@ -306,7 +201,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         def start(async_op: bool) -> list[Any]:
             return [self.comm.all_reduce(np_view(src), name, async_op=async_op) for src, name, _ in prepared]
 
-        return self._issue(list(tensors), start, _async_requested(opts), _each(p[2] for p in prepared))
+        return self._issue(list(tensors), start, _async_requested(opts), each(p[2] for p in prepared))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
         """All-reduce several tensors as one flat buffer per dtype (one tcoll call each)."""
@@ -408,7 +303,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> TcollWork:
-        return _chain(self, [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+        return chain(self, [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
                       list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -423,7 +318,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         def start(async_op: bool) -> list[Any]:
             return [self.comm.broadcast(np_bytes(h.work), root, async_op=async_op) for h in held]
 
-        return self._issue(list(tensors), start, _async_requested(opts), _each(h.back for h in held))
+        return self._issue(list(tensors), start, _async_requested(opts), each(h.back for h in held))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> TcollWork:
@@ -448,7 +343,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                 arrived.append(work)
                 return [work]
 
-            parts = lambda: _result(arrived[0])  # noqa: E731
+            parts = lambda: result_of(arrived[0])  # noqa: E731
         return self._issue(list(outputs), start, _async_requested(opts), lambda: fill(outputs, parts()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
@@ -469,7 +364,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> TcollWork:
-        return _chain(self, [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+        return chain(self, [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
                       list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -477,7 +372,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> TcollWork:
         works = [self.allgather([outs], [x], opts) for outs, x in zip(output_lists, inputs, strict=True)]
-        return _chain(self, works, [t for outs in output_lists for t in outs])
+        return chain(self, works, [t for outs in output_lists for t in outs])
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> TcollWork:
@@ -537,7 +432,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             return [work]
 
         def finish() -> None:
-            fill(pieces(recv, out_rows), _result(arrived[0]))
+            fill(pieces(recv, out_rows), result_of(arrived[0]))
             out.back()
 
         return self._issue([output], start_v, _async_requested(opts), finish)
@@ -558,7 +453,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             return [work]
 
         return self._issue(list(output_tensors), start, _async_requested(opts),
-                           lambda: fill(output_tensors, _result(arrived[0])))
+                           lambda: fill(output_tensors, result_of(arrived[0])))
 
     def barrier(self, opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.BarrierOptions()
@@ -602,48 +497,6 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def _check_count(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         if len(tensors) != self.comm.size:
             raise ValueError(f"{what} must hold {self.comm.size} tensors (one per rank), not {len(tensors)}")
-
-
-def _each(steps: Any) -> Finish:
-    steps = list(steps)
-
-    def run() -> None:
-        for step in steps:
-            step()
-
-    return run
-
-
-def _chain(pg: ProcessGroupTcoll, works: list[TcollWork], outputs: list[torch.Tensor]) -> TcollWork:
-    """One Work for several: waiting for it waits for each."""
-
-    def finish() -> None:
-        for work in works:
-            work.wait()
-
-    pending = [_Waitable(w) for w in works if w._pending]
-    return TcollWork(pg, outputs, pending, finish)
-
-
-class _Waitable:
-    """Lets a TcollWork wait for another TcollWork as if it were a tcoll Work."""
-
-    def __init__(self, work: TcollWork) -> None:
-        self.work = work
-
-    def wait(self, timeout: float | None = None) -> None:
-        self.work._complete(timeout)
-
-    def done(self) -> bool:
-        return self.work.is_completed()
-
-    def exception(self) -> BaseException | None:
-        return self.work.exception()
-
-
-def _result(work: Any) -> Any:
-    """The value of a tcoll call: the Work's result if it was started async, else the value itself."""
-    return work.result() if hasattr(work, "result") and hasattr(work, "done") else work
 
 
 def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:
@@ -691,7 +544,7 @@ def create_backend(options: Any, backend_options: Any = None) -> ProcessGroupTco
             global_ranks_in_group).
         backend_options: pg_options given to init_process_group / new_group (unused).
     """
-    timeout = _seconds(options.timeout) or 1800.0
+    timeout = seconds(options.timeout) or 1800.0
     store = TorchStore(options.store, timeout, address=f"torch://{options.group_id}")
     rank, size = int(options.group_rank), int(options.group_size)
     global_ranks = list(options.global_ranks_in_group)

@@ -13,7 +13,7 @@ import pytest
 from tcoll.bench.cli import format_p2p
 from tcoll.bench.p2p import P2PRow, run_p2p, sizes_between
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sizes_between() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tcoll
-from collective_cases import runnable
+from helpers.cases import runnable
 from tcoll.algos.registry import COLLECTIVES, REGISTRY, Costs
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from proc_util import no_leftovers_fixture  # noqa: F401 - the fixture no_leftovers
 
 import tcoll
 from tcoll import SpawnError

@@ -1,4 +1,4 @@
-"""Helpers for the fault, spawn and init tests: leftovers, shared-memory segments, file signals.
+"""Helpers for tests that run processes: leftovers, shared-memory segments, file signals, environments.
 
 Ranks in different processes synchronise through files (written atomically,
 polled with a deadline) or through tcoll messages, never through sleeps.
@@ -7,17 +7,14 @@ polled with a deadline) or through tcoll messages, never through sleeps.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 SHM_DIR = "/dev/shm"
 
@@ -120,36 +117,12 @@ def leftover_processes(before: dict[int, str], timeout: float = 10.0) -> dict[in
         time.sleep(0.02)
 
 
-def _kill(pids: dict[int, str]) -> None:
+def kill_all(pids: dict[int, str]) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-
-
-@pytest.fixture(name="no_leftovers")
-def no_leftovers_fixture() -> Iterator[None]:
-    """Fail a test that leaves processes (ranks), threads (rank threads, store servers) behind."""
-    processes_before = descendants()
-    threads_before = set(threading.enumerate())
-    yield
-    problems = []
-    extra = leftover_processes(processes_before)
-    if extra:
-        _kill(extra)
-        problems.append(f"processes left running: {extra}")
-    children = multiprocessing.active_children()
-    if children:
-        problems.append(f"multiprocessing.active_children() = {children}")
-    deadline = time.monotonic() + 10
-    while threads := [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]:
-        if time.monotonic() > deadline:
-            problems.append(f"threads left running: {threads}")
-            break
-        threads[0].join(0.05)
-    if problems:
-        pytest.fail("; ".join(problems))
 
 
 def rank_report(directory: str | os.PathLike[str], rank: int) -> dict[str, Any]:
@@ -165,7 +138,8 @@ def write_report(directory: str | os.PathLike[str], rank: int, report: dict[str,
 
 # -- plain subprocesses -----------------------------------------------------------------------
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
+SRC = str(ROOT / "src")
 
 # Variables through which a launcher tells a process its rank: none may leak into a test's ranks.
 _LAUNCHER_PREFIXES = ("TCOLL_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_")
@@ -181,33 +155,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(name="popen")
-def popen_fixture() -> Iterator[Any]:
-    """Start subprocesses (each in its own session) that are killed and reaped at teardown, pass or fail."""
-    import subprocess
-
-    started: list[subprocess.Popen[Any]] = []
-
-    def start(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        proc = subprocess.Popen(args, start_new_session=True, **kwargs)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group: also what the process started itself
-        except OSError:
-            pass
-        if proc.returncode is not None:
-            continue  # the test reaped it
-        try:
-            proc.communicate(timeout=10)
-        except Exception:  # noqa: BLE001 - reap at any cost
-            proc.kill()
-            proc.wait()
-
-
 # -- ports and threads ----------------------------------------------------------------------
 
 
@@ -216,15 +163,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-@pytest.fixture
-def no_leaked_threads() -> Iterator[None]:
-    """Fail a test that leaves threads (store servers, connection handlers, rank threads) running."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 10
-    while extra := [t for t in threading.enumerate() if t not in before and t.is_alive()]:
-        if time.monotonic() > deadline:
-            pytest.fail(f"threads left running: {extra}")
-        extra[0].join(0.05)

@@ -21,9 +21,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from proc_util import free_port  # noqa: E402
+from helpers.procs import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # What the seeds print, with 4 ranks: lines "[rank] data = ..." (the ring prints "rank tensor(...)").
 _LIST = "[tensor([0.]), tensor([1.]), tensor([2.]), tensor([3.])]"

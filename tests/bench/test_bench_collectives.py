@@ -51,7 +51,7 @@ from tcoll.bench.runner import (
 )
 from tcoll.cli import main as tcoll_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tcoll_results(outcome: dict[str, Any]) -> list[Result]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tcoll
-from collective_cases import BF16, make_input, reference
+from helpers.cases import BF16, make_input, reference
 
 SIZES = [1, 2, 3, 5, 8]
 P2P_ALL_REDUCE = [a for a in tcoll.algorithms("all_reduce") if a != "shm"]  # async calls run point-to-point

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proc_util import clean_env, free_port, no_leftovers_fixture, popen_fixture  # noqa: F401 - fixtures
+from helpers.procs import clean_env, free_port
 
 import tcoll
 from tcoll import RendezvousError

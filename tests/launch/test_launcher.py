@@ -19,7 +19,7 @@ import pytest
 from tcoll import cli
 from tcoll.launch import LaunchConfig
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Written by every rank of the env scripts: what the contract promises.
 CONTRACT = ["TCOLL_RANK", "TCOLL_SIZE", "TCOLL_LOCAL_RANK", "TCOLL_LOCAL_SIZE", "TCOLL_NODE_RANK",

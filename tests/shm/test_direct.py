@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from proc_util import no_leftovers_fixture, rank_report, write_report  # noqa: F401 - the fixture
+from helpers.procs import rank_report, write_report
 
 import tcoll
 from tcoll.shm.arena import ZERO_COPY_BYTES

@@ -175,13 +175,13 @@ def test_a_peer_that_closes_is_lost_at_once(transport: str) -> None:
     assert outcome.startswith("lost after") and float(outcome.split()[2]) < 5.0
 
 
-def _count_mappings() -> int:
+def _mappings(run_id: str) -> list[str]:
     with open("/proc/self/maps") as handle:
-        return sum(1 for line in handle if "/dev/shm/tcoll-" in line)
+        return [line for line in handle if f"/dev/shm/tcoll-{run_id}-" in line]
 
 
 def test_close_unmaps_the_segments() -> None:
-    before = _count_mappings()
-    tcoll.spawn(lambda comm: None, 3, threads=True, transport="shm")
-    assert _count_mappings() == before
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("tcoll-")]
+    run_ids = tcoll.spawn(lambda comm: comm.run_id, 3, threads=True, transport="shm")
+    assert len(set(run_ids)) == 1
+    assert _mappings(run_ids[0]) == []  # (other jobs' segments may come and go meanwhile: only ours count)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"tcoll-{run_ids[0]}-")]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tcoll
-from collective_cases import (
+from helpers.cases import (
     ALL_DTYPES, LOC_DTYPES, MATRIX, SOME_DTYPES, assert_reduced, make_input, op_of, pattern, valid_pairs,
 )
 from tcoll.algos.registry import lookup

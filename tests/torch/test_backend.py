@@ -1,7 +1,7 @@
 """The torch.distributed backend "tcoll": registration, and every collective and point-to-point call.
 
 Each spawn starts its ranks once (importing torch costs a second or two per
-process) and runs the whole suite of tests/torch_workers.py in them: every
+process) and runs the whole suite of tests/helpers/torch_workers.py in them: every
 collective, blocking and with async_op=True, in both call modes (collectives
 completed inside the call; started asynchronously with TCOLL_TORCH_ASYNC=1),
 for every ReduceOp and dtype, against references computed in each rank from
@@ -19,10 +19,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-import torch_workers  # noqa: E402
-from proc_util import free_port  # noqa: E402
+from helpers import torch_workers  # noqa: E402
+from helpers.procs import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, **env: str) -> subprocess.Popen[str]:

@@ -3,7 +3,7 @@
 DDP (default buckets, tiny buckets, gradient_as_bucket_view, static_graph,
 find_unused_parameters, no_sync, Join with uneven inputs, the allreduce and
 fp16-compression comm hooks) and FSDP2's fully_shard are checked in the ranks
-against training in one process (tests/torch_workers.py: `reference`).
+against training in one process (tests/helpers/torch_workers.py: `reference`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-import torch_workers  # noqa: E402
-from proc_util import free_port  # noqa: E402
+from helpers import torch_workers  # noqa: E402
+from helpers.procs import free_port
 
 
 @pytest.mark.timeout(180)

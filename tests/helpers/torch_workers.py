@@ -395,7 +395,7 @@ class _Failing:
 
 def check_failed_work() -> None:
     """A failed operation raises from wait() and get_future(); its Future is never completed with the error."""
-    from tcoll.torch.process_group import TcollWork
+    from tcoll.torch.work import TcollWork
 
     for first in ("wait", "get_future"):
         work = TcollWork(dist.group.WORLD, [torch.ones(1)], [_Failing()])

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from proc_util import free_port, no_leaked_threads  # noqa: F401 - a fixture
+from helpers.procs import free_port
 
 from tcoll.errors import RendezvousError, TimeoutError
 from tcoll.store import FileStore, MemoryStore, PrefixStore, Store, TCPStore, TCPStoreServer, TorchStore

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tcoll
-from collective_cases import runnable
+from helpers.cases import runnable
 from tcoll import MismatchError
 from tcoll.algos.registry import REGISTRY
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tcoll
-from collective_cases import runnable
+from helpers.cases import runnable
 from tcoll.algos.registry import Costs, lookup
 from tcoll.ops import Op, as_op
 from tcoll.algos.topology import split_counts

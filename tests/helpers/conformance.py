@@ -9,6 +9,7 @@ messages, and returns {check name: None or the failure's traceback}.
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
 
@@ -249,6 +250,14 @@ def check_unexpected_large_before_recv(comm: tcoll.Communicator) -> None:
     second.wait()
     assert small[0] == left(comm)
     np.testing.assert_array_equal(out, pattern(big, left(comm)))
+
+
+@check
+def check_no_files_of_this_run_in_dev_shm(comm: tcoll.Communicator) -> None:
+    # Every segment is unlinked once its peers have mapped it: while the job runs, and
+    # before any launcher sweeps, nothing of this run's is left in /dev/shm.
+    if os.path.isdir("/dev/shm"):
+        assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"tcoll-{comm.run_id}-")]
 
 
 def run_battery(comm: tcoll.Communicator, names: list[str] | None = None) -> dict[str, str | None]:

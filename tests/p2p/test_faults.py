@@ -22,17 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from proc_util import (
-    clean_env,
-    no_leftovers_fixture,  # noqa: F401 - the fixture no_leftovers
-    popen_fixture,  # noqa: F401 - the fixture popen
-    rank_report,
-    read_json,
-    shm_segments,
-    touch,
-    wait_file,
-    write_report,
-)
+from helpers.procs import clean_env, rank_report, read_json, shm_segments, touch, wait_file, write_report
 
 import tcoll
 from tcoll import PeerLostError, SpawnError

@@ -7,12 +7,11 @@ the transport and the world size.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 import tcoll
-from conformance import CHECKS, check_one_gib, run_battery
+from helpers.conformance import CHECKS, check_one_gib, run_battery
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 # Tiny rings and chunks push every message through the multi-chunk and
@@ -80,7 +79,3 @@ def test_one_gib_message(transport: str) -> None:
     else:
         tcoll.spawn(check_one_gib, 2, timeout=240, transport=transport)
 
-
-def test_nothing_left_in_dev_shm() -> None:
-    # Runs after the worlds above (same module, declared last).
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith("tcoll-")]

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from proc_util import free_port, no_leaked_threads  # noqa: F401 - a fixture
+from helpers.procs import free_port
 
 from tcoll.startup import rendezvous
 from tcoll.errors import RendezvousError, TimeoutError

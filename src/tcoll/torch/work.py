@@ -1,0 +1,171 @@
+"""The Work every call of the tcoll torch backend returns, and how several are chained into one.
+
+`TcollWork` holds the tcoll Works a call started and what to do once they
+are done. `wait()` completes them (raising what they failed with), and so
+does `get_future()`, which gives a Future already completed with the list of
+output tensors. A Future is never completed with an exception or with None:
+in torch 2.13 either crashes the process (SIGSEGV) inside DDP's C++
+allreduce hook.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroupTcoll
+
+__all__ = ["TcollWork", "Finish", "seconds", "each", "chain", "result_of"]
+
+Finish = Callable[[], None]
+
+
+def seconds(timeout: Any) -> float | None:
+    """A torch timeout (timedelta, milliseconds or None; zero or negative means none) in seconds."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout) / 1000.0
+    return seconds if seconds > 0 else None
+
+
+class TcollWork(dist._Work):
+    """What every call returns: the tcoll Works it started, and what to do once they are done.
+
+    `wait()` completes them (raising what they failed with), `get_future()`
+    too, and gives a Future already completed with the list of output tensors.
+    """
+
+    def __init__(self, pg: ProcessGroupTcoll, outputs: list[torch.Tensor], pending: Sequence[Any] = (),
+                 finish: Finish | None = None, source: int = -1) -> None:
+        super().__init__()
+        self._pg = pg
+        self._outputs = outputs
+        self._pending = list(pending)
+        self._finish = finish
+        self._error: BaseException | None = None
+        self._future: Future | None = None
+        self._source = source
+        if not self._pending:
+            self._run_finish()
+
+    def _run_finish(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            try:
+                finish()
+            except BaseException as exc:
+                self._error = exc
+                raise
+
+    def _complete(self, timeout: float | None) -> None:
+        """Wait for every tcoll Work, then run the finishing step; raise what failed."""
+        if self._error is not None:
+            raise self._error
+        budget = self._pg.comm.timeout if timeout is None else timeout
+        while self._pending:
+            work = self._pending[0]
+            try:
+                work.wait(budget)
+            except BaseException as exc:
+                abort = getattr(work, "abort", None)
+                if abort is not None:
+                    abort(exc)
+                self._error, self._pending = exc, []
+                raise
+            self._pending.pop(0)
+        self._run_finish()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the operation completes; raise the error it failed with."""
+        self._complete(seconds(timeout))
+        return True
+
+    def get_future(self) -> Future:
+        """A Future holding the output tensors; completes the operation first (raising if it failed)."""
+        if self._future is None:
+            self._complete(None)
+            future: Future = Future()
+            future.set_result(self._outputs)
+            self._future = future
+        return self._future
+
+    def is_completed(self) -> bool:
+        if self._error is not None:
+            return True
+        return all(work.done() for work in self._pending)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None and all(w.exception() is None for w in self._pending)
+
+    def exception(self) -> BaseException | None:
+        if self._error is not None:
+            return self._error
+        return next((w.exception() for w in self._pending if w.exception() is not None), None)
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def get_future_result(self) -> Future:
+        return self.get_future()
+
+
+def each(steps: Any) -> Finish:
+    steps = list(steps)
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
+
+
+def chain(pg: ProcessGroupTcoll, works: list[TcollWork], outputs: list[torch.Tensor]) -> TcollWork:
+    """One Work for several: waiting for it waits for each."""
+
+    def finish() -> None:
+        for work in works:
+            work.wait()
+
+    pending = [_Waitable(w) for w in works if w._pending]
+    return TcollWork(pg, outputs, pending, finish)
+
+
+class _Waitable:
+    """Lets a TcollWork wait for another TcollWork as if it were a tcoll Work."""
+
+    def __init__(self, work: TcollWork) -> None:
+        self.work = work
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.work._complete(timeout)
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    def exception(self) -> BaseException | None:
+        return self.work.exception()
+
+
+def result_of(work: Any) -> Any:
+    """The value of a tcoll call: the Work's result if it was started async, else the value itself."""
+    return work.result() if hasattr(work, "result") and hasattr(work, "done") else work
