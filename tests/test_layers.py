@@ -111,8 +111,9 @@ def _private_names_defined() -> dict[str, set[str]]:
                 defined[node.attr].add(package)
             elif isinstance(node, ast.ClassDef):
                 for item in node.body:
-                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and _private(item.target.id):
-                        defined[item.target.id].add(package)
+                    target = item.target if isinstance(item, ast.AnnAssign) else None
+                    if isinstance(target, ast.Name) and _private(target.id):
+                        defined[target.id].add(package)
     return defined
 
 

@@ -1,7 +1,7 @@
 """Every TCOLL_* tuning variable, parsed in one place.
 
 Rendezvous variables (rank, size, master address) are read by
-`tcoll.rendezvous`; this module holds the knobs that shape how data moves.
+`tcoll.startup.rendezvous`; this module holds the knobs that shape how data moves.
 """
 
 from __future__ import annotations

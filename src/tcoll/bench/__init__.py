@@ -1,7 +1,7 @@
 """Benchmarks: `tcoll bench p2p` and `tcoll bench <collective>`, nccl-tests style, beside gloo and MPI.
 
-Owns: the bench cases, runner, report and the gloo/MPI workers. May import: everything below the top
-(api, startup, comm, p2p); nothing imports it but the cli.
+Owns: the bench cases, runner, report, and the gloo and MPI workers it compares against.
+May import: everything below the top (api, startup, comm, p2p, ...); only the cli imports it.
 """
 
 __all__ = ["BenchError"]

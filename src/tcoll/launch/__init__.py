@@ -2,6 +2,9 @@
 
 The command line (`tcoll.cli`) only parses arguments into a `LaunchConfig` and
 calls `launch`; everything else lives here so it can be called from Python too.
+
+Owns: spawning and watching rank processes, output prefixing, multi-node coordination, leftover sweeping.
+May import: store, segments and the leaves (a launcher never runs a communicator itself).
 """
 
 from tcoll.launch.config import LaunchConfig, new_run_id, parse_master

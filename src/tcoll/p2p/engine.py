@@ -6,7 +6,7 @@ their receive was posted. Progress is driven by the callers: whoever waits
 moves data for everyone (as MPI does without a progress thread), under one
 lock, so concurrent waiters on several threads are safe.
 
-Waiting is adaptive (see `tcoll.waiting`): poll for a self-tuned budget
+Waiting is adaptive (see `tcoll.p2p.waiting`): poll for a self-tuned budget
 (yielding the CPU at each poll when ranks outnumber cores), then block on this
 rank's doorbell, which every peer rings after it publishes
 data or frees space for us. While blocked, the engine wakes every

@@ -4,7 +4,7 @@ Every rank maps one segment. It holds, per rank, a *counter* (the number of
 steps the rank has published), a *descriptor* (what the current call is, and
 where the rank's zero-copy buffer lies), and two *slots* of `shm_slot` bytes
 that the rank writes and every other rank reads. The direct collectives
-(`tcoll.algos.shm_direct`) run as a sequence of steps, numbered alike on every
+(`tcoll.shm.vector`, `tcoll.shm.blocks`) run as a sequence of steps, numbered alike on every
 rank; step k uses slot set k % 2:
 
     writer:  claim(k)     wait until every rank has published step k-1, i.e.
@@ -63,7 +63,7 @@ class Arena:
         slot_bytes: bytes of one slot.
         step: the next step number (equal on every rank between calls).
         timeout: seconds a wait may take before TimeoutError (the caller's timeout).
-        heap: this process's zero-copy heap (tcoll.shm_heap), or None.
+        heap: this process's zero-copy heap (tcoll.shm.heap), or None.
     """
 
     def __init__(self, engine: Engine, world: list[int], rank: int, segment: Segment, slot_bytes: int,

@@ -3,7 +3,7 @@
 For ranks on one host, point-to-point algorithms pay a message latency per
 step and copy every byte twice (into a ring, out of it). Here each rank
 writes its data once into its slot of the communicator's arena
-(`tcoll.arena`), publishes the step, and every rank reads what it needs from
+(`tcoll.shm.arena`), publishes the step, and every rank reads what it needs from
 all slots at once: an all_reduce is one copy in, a reduction of this rank's
 1/p of every input, one copy out, with two synchronisations per slot-sized
 piece (so a large message is pipelined through cache-sized steps, and a fast
@@ -209,7 +209,7 @@ def barrier(arena: Arena) -> None:
     counters reach the step; a sleeping rank is woken by the last arrival.
     """
     if arena.size > 1:
-        step = arena.claim()  # a rank describes a call only in a claimed step (see tcoll.arena)
+        step = arena.claim()  # a rank describes a call only in a claimed step (see tcoll.shm.arena)
         fp = fingerprint("barrier", np.dtype(np.uint8), 0)
         arena.describe(step, fp)
         arena.publish(step)

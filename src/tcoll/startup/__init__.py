@@ -1,5 +1,5 @@
-"""How a rank joins its job: the launchers' environments, the rendezvous, connecting, init and spawn.
+"""How a rank joins its job: launchers' environments, the rendezvous, connecting, init and spawn.
 
-Owns: reading rank/size/master from torchrun, Slurm, mpirun and tcoll run; the cards; transport choice per pair.
-May import: comm (init returns a Communicator), transport, store, p2p, segments and the leaves.
+Owns: rank/size/master from tcoll run, torchrun, Slurm and mpirun; the cards; the transport of each pair.
+May import: comm (init returns a Communicator) and everything below it.
 """

@@ -3,7 +3,7 @@
 Each reader looks at one launcher's variables and returns a `Found` (rank,
 size, node layout, run id) or None when that launcher did not start this
 process. `LAUNCHERS` lists them in order of precedence; `parse_init_method`
-reads "env://", "tcp://host:port" and "file:///path". `tcoll.rendezvous`
+reads "env://", "tcp://host:port" and "file:///path". `tcoll.startup.rendezvous`
 puts explicit arguments on top and settles the master address.
 """
 

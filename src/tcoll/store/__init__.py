@@ -1,7 +1,7 @@
-"""Key-value stores the ranks of a job meet through: memory, file, TCP, and torch's.
+"""Key-value stores the ranks of a job meet through: memory, file, TCP, and torch's (loaded on first use).
 
-Owns: the Store interface and its implementations, the TCP store's server and wire format.
-May import: the leaves only. `TorchStore` is loaded on first use, so importing tcoll never imports torch.
+Owns: the Store interface and its implementations, the TCP store's server and its wire format.
+May import: the leaves only (errors); importing tcoll never imports torch through it.
 """
 
 from __future__ import annotations

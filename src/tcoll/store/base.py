@@ -210,7 +210,7 @@ class PrefixStore(Store):
         store: the store to view.
         prefix: the prefix, without the trailing "/".
         own: whether closing the view closes `store` (for a view handed out as
-            the only handle on a store, e.g. by `tcoll.rendezvous.open_store`).
+            the only handle on a store, e.g. by `tcoll.startup.rendezvous.open_store`).
     """
 
     def __init__(self, store: Store, prefix: str, *, own: bool = False) -> None:

@@ -15,6 +15,9 @@ nothing but torch.distributed's import.
 `tcoll.torch.empty(shape, dtype)` makes a tensor in shared memory that the
 collectives of a one-host tcoll group read in place (no copy into their
 arena): the counterpart of registering a buffer with NCCL.
+
+Owns: the ProcessGroup, its Work, tensor conversions, which communicator serves a group, any-source receives.
+May import: everything below the top (comm, startup, store, ...); the only package that imports torch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""buffers: every kind of user buffer becomes a view of the same memory, or a clear error before anything moves."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tcoll.buffers import as_array, as_bytes, empty_like_kind, is_torch
+
+
+def test_numpy_views_share_memory() -> None:
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    raw = as_bytes(arr, writable=True)
+    assert raw.dtype == np.uint8 and raw.size == 48 and np.shares_memory(raw, arr)
+    typed = as_array(arr, writable=True)
+    assert typed is arr
+
+
+def test_fortran_order_is_bytes_but_not_a_typed_view() -> None:
+    arr = np.asfortranarray(np.ones((3, 4)))
+    assert as_bytes(arr, writable=True).size == 96
+    with pytest.raises(ValueError, match="C-contiguous"):
+        as_array(arr, writable=True)
+
+
+@pytest.mark.parametrize("make", [lambda a: a[::2], lambda a: a[:, 1:]], ids=["rows", "columns"])
+def test_non_contiguous_buffers_are_refused(make: object) -> None:
+    arr = make(np.zeros((4, 6)))  # type: ignore[operator]
+    with pytest.raises(ValueError, match="contiguous"):
+        as_bytes(arr, writable=False, what="send buffer")
+
+
+def test_read_only_memory_cannot_receive() -> None:
+    with pytest.raises(ValueError, match="receive buffer is read-only"):
+        as_bytes(b"abc", writable=True, what="receive buffer")
+    view = as_bytes(b"abc", writable=False)
+    assert view.tobytes() == b"abc"
+
+
+def test_buffer_protocol_objects() -> None:
+    data = bytearray(b"hello")
+    view = as_bytes(memoryview(data), writable=True)
+    view[0] = ord("j")
+    assert data == bytearray(b"jello")
+
+
+def test_object_arrays_and_strangers_are_type_errors() -> None:
+    with pytest.raises(TypeError, match="object"):
+        as_array(np.array([object()]), writable=False)
+    with pytest.raises(TypeError, match="must be a NumPy array"):
+        as_bytes(3.5, writable=False, what="x")
+    with pytest.raises(TypeError, match="NumPy scalar"):
+        as_array(np.float32(1), writable=True)
+    assert as_array(np.float32(1), writable=False).shape == ()
+
+
+def test_dlpack_objects_are_read_through_dlpack() -> None:
+    class Exporter:
+        def __init__(self, arr: np.ndarray) -> None:
+            self.arr = arr
+
+        def __dlpack__(self, **kwargs: object) -> object:
+            return self.arr.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return self.arr.__dlpack_device__()
+
+    arr = np.arange(6, dtype=np.int16)
+    assert np.shares_memory(as_bytes(Exporter(arr), writable=False), arr)
+
+
+def test_torch_tensors_keep_their_dtype_and_memory() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    typed = as_array(tensor, writable=True)
+    assert typed.dtype == np.dtype(ml_dtypes.bfloat16) and typed.shape == (2, 3)
+    typed[0, 0] = 7
+    assert float(tensor[0, 0]) == 7.0
+    assert is_torch(tensor) and not is_torch(typed)
+    with pytest.raises(ValueError, match="contiguous"):
+        as_array(tensor.t(), writable=False)
+    made, view = empty_like_kind(tensor, (4,), typed.dtype)
+    assert isinstance(made, torch.Tensor) and made.dtype == torch.bfloat16 and view.shape == (4,)
