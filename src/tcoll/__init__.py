@@ -15,8 +15,8 @@ from .api import (algorithms, all_gather, all_gather_object, all_gatherv, all_re
                   recv, recv_object, reduce, reduce_scatter, reduce_scatterv, scatter, scatter_object, scatterv,
                   send, send_object, split)
 from .comm.communicator import Communicator
-from .errors import (MessageSizeError, MismatchError, PeerLostError, RendezvousError, SpawnError, TcollError,
-                     TimeoutError, TransportError)
+from .errors import (MessageSizeError, MismatchError, PeerFailedError, PeerLostError, RendezvousError, SpawnError,
+                     TcollError, TimeoutError, TransportError)
 from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
 from .p2p.work import Work
 from .startup.init import default_communicator, init
@@ -28,8 +28,8 @@ __all__ = [
     "Communicator", "Work", "Op",
     "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC",
     "loc_pairs", "algorithms", "explain", "init", "spawn", "default_communicator",
-    "TcollError", "RendezvousError", "TimeoutError", "PeerLostError", "MessageSizeError", "MismatchError",
-    "TransportError", "SpawnError", "__version__",
+    "TcollError", "RendezvousError", "TimeoutError", "PeerLostError", "PeerFailedError", "MessageSizeError",
+    "MismatchError", "TransportError", "SpawnError", "__version__",
     "send", "recv", "isend", "irecv",
     "all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all",
     "barrier", "all_gatherv", "gatherv", "scatterv", "all_to_allv", "reduce_scatterv",

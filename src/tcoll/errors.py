@@ -17,6 +17,8 @@ __all__ = [
     "TimeoutError",
     "PeerLostError",
     "MessageSizeError",
+    "MismatchError",
+    "PeerFailedError",
     "TransportError",
     "SpawnError",
 ]
@@ -80,7 +82,45 @@ class MessageSizeError(TcollError, ValueError):
 
 
 class MismatchError(TcollError):
-    """Ranks made different calls: a collective's sizes, or its kind, disagree between ranks."""
+    """Ranks made different calls at the same point: another collective, op, dtype, size, root or algorithm.
+
+    Attributes:
+        ranks: the ranks (of the communicator) found to disagree with this one, when known.
+        peer: the world rank whose message showed the disagreement (-1: none).
+        mine, theirs: the two calls' stamps (tcoll.algos.stamps), when known.
+    """
+
+    def __init__(self, message: str, *, ranks: Iterable[int] = (), peer: int = -1, mine: int = 0,
+                 theirs: int = 0) -> None:
+        super().__init__(message)
+        self.ranks = sorted(set(ranks))
+        self.peer = peer
+        self.mine = mine
+        self.theirs = theirs
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_mismatch, (self.args[0], self.ranks, self.peer, self.mine, self.theirs)
+
+
+def _rebuild_mismatch(message: str, ranks: list[int], peer: int, mine: int, theirs: int) -> MismatchError:
+    return MismatchError(message, ranks=ranks, peer=peer, mine=mine, theirs=theirs)
+
+
+class PeerFailedError(TcollError):
+    """Another rank's part of this call failed (a bad argument there, an exception in a user op, a timeout).
+
+    Attributes:
+        rank: the rank (of the communicator) whose part failed.
+        cause: what failed there, as that rank reported it.
+    """
+
+    def __init__(self, message: str, rank: int = -1, cause: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.rank, self.cause)
 
 
 class TransportError(TcollError):
@@ -103,3 +143,17 @@ class SpawnError(TcollError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.rank, self.message, self.remote_traceback)
+
+
+def known_to_peers(error: BaseException) -> BaseException:
+    """Mark `error` as one every rank of its call learns by itself (so nobody needs to be told); returns it."""
+    try:
+        error.tcoll_known_to_peers = True  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type with slots: it is told, which costs a few messages
+        pass
+    return error
+
+
+def is_known_to_peers(error: BaseException) -> bool:
+    """Whether `error` was marked by known_to_peers."""
+    return bool(getattr(error, "tcoll_known_to_peers", False))

@@ -22,6 +22,7 @@ class RecordingEngine:
 
     def __init__(self) -> None:
         self.sent: list[tuple[int, int, int, int]] = []  # (world peer, ctx, tag, nbytes)
+        self.stamps: list[int] = []
         self.posted: list[RecvWork] = []
         self.cancelled: list[RecvWork] = []
         self.abandoned: list[tuple[int, int, int]] = []
@@ -29,14 +30,16 @@ class RecordingEngine:
         self.deferred: list[Any] = []
         self._lock = threading.RLock()
 
-    def isend(self, data: np.ndarray, peer: int, ctx: int, tag: int, user: Any = None) -> SendWork:
+    def isend(self, data: np.ndarray, peer: int, ctx: int, tag: int, user: Any = None, stamp: int = 0) -> SendWork:
         self.sent.append((peer, ctx, tag, data.nbytes))
-        work = SendWork(self, peer, ctx, tag, data, user)  # type: ignore[arg-type]
+        self.stamps.append(stamp)
+        work = SendWork(self, peer, ctx, tag, data, user, stamp)  # type: ignore[arg-type]
         work._finish(user)
         return work
 
-    def irecv(self, data: np.ndarray, peer: int, ctx: int, tag: int, user: Any = None) -> RecvWork:
-        work = RecvWork(self, peer, ctx, tag, data, user)  # type: ignore[arg-type]
+    def irecv(self, data: np.ndarray, peer: int, ctx: int, tag: int, user: Any = None,
+              stamp: int | None = None) -> RecvWork:
+        work = RecvWork(self, peer, ctx, tag, data, user, stamp=stamp)  # type: ignore[arg-type]
         self.posted.append(work)
         return work
 
@@ -52,8 +55,8 @@ class RecordingEngine:
 WORLD = [10, 11, 12, 13]  # the communicator's ranks are world ranks 10..13
 
 
-def _team(engine: RecordingEngine, sequence: int = 5) -> Team:
-    return Team(engine, WORLD, 1, 9, sequence, 1024)  # type: ignore[arg-type]
+def _team(engine: RecordingEngine, sequence: int = 5, stamp: int = 0) -> Team:
+    return Team(engine, WORLD, 1, 9, sequence, 1024, stamp)  # type: ignore[arg-type]
 
 
 def test_messages_carry_the_call_tag_in_the_collective_context() -> None:
@@ -140,4 +143,14 @@ def test_a_short_message_is_a_mismatch_naming_the_sender() -> None:
     recv._finish(None)
     error = work.exception()
     assert isinstance(error, MismatchError)
-    assert "all_reduce #5" in str(error) and "rank 12 sent 8 bytes where 32 were expected" in str(error)
+    assert "all_reduce #5" in str(error) and "rank 2 sent 8 bytes where 32 were expected" in str(error)  # the communicator's rank, not the world's
+
+
+def test_every_message_and_receive_of_a_call_carries_its_stamp_in_every_phase() -> None:
+    engine = RecordingEngine()
+    team = _team(engine, stamp=123 | 7 << 64)
+    team.send(np.zeros(1), 0)
+    team.phase(3).send(np.zeros(1), 2)
+    team.phase(1).recv(np.zeros(1), 3)
+    assert engine.stamps == [123 | 7 << 64] * 2
+    assert engine.posted[0].stamp == 123 | 7 << 64

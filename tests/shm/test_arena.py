@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import tcoll
-from tcoll.errors import MismatchError, TcollError, TimeoutError
+from tcoll.errors import MismatchError, TimeoutError
+from tcoll.algos import stamps
 from tcoll.shm import arena as arena_module
 
 
@@ -50,34 +51,51 @@ def test_every_rank_reads_every_slot_of_a_step(size: int) -> None:
 
 def _mismatch(comm: tcoll.Communicator) -> str:
     arena = _arena(comm)
-    step = arena.claim()
-    fingerprint = arena_module.fingerprint("all_reduce", np.dtype(np.float32), 8 if comm.rank == 0 else 16)
-    arena.describe(step, fingerprint)
+    stamp = stamps.stamp("all_reduce", "all_reduce", None, np.dtype(np.float32), 8 if comm.rank == 0 else 16, 0, "shm")
+    arena.begin(stamp, 7, "all_reduce")
+    step = arena.first_step()
     arena.publish(step)
-    arena.wait_all(step)
     try:
-        arena.check_peers(step, fingerprint, "all_reduce")
+        arena.agree(step)
     except MismatchError as exc:
-        try:
-            comm.barrier(algorithm="shm")
-        except TcollError as later:
-            return f"{exc} | {later}"
-        return f"{exc} | later call ran"
+        return f"{exc} | steps {arena.step}"
     return "no mismatch"
 
 
 @pytest.mark.timeout(60)
-def test_a_different_call_is_a_mismatch_and_breaks_the_arena() -> None:
+def test_a_different_call_is_a_mismatch_on_every_rank_at_the_same_step() -> None:
     outcomes = tcoll.spawn(_mismatch, 2, threads=True, timeout=50)
-    for outcome in outcomes:
-        assert "made a different call" in outcome and "earlier shared-memory collective" in outcome
+    assert "all_reduce #7 (shm): rank 1 called all_reduce(16 elements) where rank 0 called all_reduce(8 elements)" \
+        in outcomes[0]
+    assert "rank 0 called all_reduce(8 elements) where rank 1 called all_reduce(16 elements)" in outcomes[1]
+    assert outcomes[0].endswith("steps 2") and outcomes[1].endswith("steps 2")  # both stand at the same step
+
+
+def _shifted(comm: tcoll.Communicator) -> str:
+    arena = _arena(comm)
+    stamp = stamps.stamp("barrier", "barrier", None, None, 0, 0, "shm")
+    arena.begin(stamp, 5 if comm.rank == 0 else 6, "barrier")  # rank 0 is a call behind
+    step = arena.first_step()
+    arena.publish(step)
+    try:
+        arena.agree(step)
+    except MismatchError as exc:
+        return str(exc)
+    return "no mismatch"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_a_call_behind_is_named() -> None:
+    outcomes = tcoll.spawn(_shifted, 2, threads=True, timeout=50)
+    assert "rank 1 is at its call #6" in outcomes[0] and "where rank 0 is at #5" in outcomes[0]
 
 
 def _lagging(comm: tcoll.Communicator) -> str:
     arena = _arena(comm)
     arena.timeout = 0.3
     if comm.rank == 0:
-        step = arena.claim()
+        arena.begin(0, 9, "broadcast")
+        step = arena.first_step()
         arena.publish(step)
         try:
             arena.wait_rank(1, step)
@@ -92,7 +110,8 @@ def _lagging(comm: tcoll.Communicator) -> str:
 @pytest.mark.timeout(60)
 def test_a_wait_that_times_out_names_the_lagging_rank() -> None:
     outcome = tcoll.spawn(_lagging, 2, threads=True, timeout=50)[0]
-    assert "still waiting on rank(s) [1]" in outcome and "peers=[1]" in outcome
+    assert "broadcast #9 (shm) did not complete within 0.3 s: rank(s) [1] never entered it" in outcome
+    assert "peers=[1]" in outcome
 
 
 def test_addresses_round_trip_and_an_empty_one_means_failure() -> None:

@@ -59,8 +59,9 @@ def test_a_write_takes_a_slice_of_its_source(ring: shm._Ring) -> None:
 @pytest.mark.parametrize("offset_from_end", [HEADER.size, HEADER.size - 1, 1, 16])
 def test_a_header_cut_by_the_wrap_reads_whole(ring: shm._Ring, offset_from_end: int) -> None:
     position = 5 * SIZE - offset_from_end
-    shm._write(ring, position, pack_header(7, 123456789, 4096, 42))
-    assert unpack_header(shm._read_header(ring, position), peer=1) == (7, 123456789, 4096, 42)
+    stamp = 42 | 7 << 64 | 1 << 127  # both words of the stamp travel
+    shm._write(ring, position, pack_header(7, 123456789, 4096, stamp))
+    assert unpack_header(shm._read_header(ring, position), peer=1) == (7, 123456789, 4096, stamp)
 
 
 def test_a_corrupt_header_is_a_transport_error(ring: shm._Ring) -> None:

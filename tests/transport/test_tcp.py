@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tcoll.p2p.channel import HEADER
 from tcoll.p2p.engine import Engine
 from tcoll.env import Settings
 from tcoll.errors import MessageSizeError, PeerLostError, TimeoutError, TransportError
@@ -390,7 +391,7 @@ def test_peer_closed_fails_pending_recv_quickly(world2: World) -> None:
 @pytest.mark.timeout(60)
 def test_corrupt_stream_fails_the_peer(world2: World) -> None:
     recv = world2.engines[1].irecv(np.zeros(8, dtype=np.uint8), 0, CTX, 0)
-    world2.transports[0]._channels[0].sock.send(b"\xff" * 32)  # bytes that are no header
+    world2.transports[0]._channels[0].sock.send(b"\xff" * HEADER.size)  # bytes that are no header
     with pytest.raises(PeerLostError, match="corrupt message header from rank 0"):
         recv.wait(timeout=10)
 

@@ -24,12 +24,14 @@ import numpy as np
 
 from ..errors import MismatchError
 from ..p2p.engine import Engine
+from ..p2p.watch import BLOCK_BITS
 from ..p2p.work import RecvWork, Work
+from .stamps import disagreement
 
 __all__ = ["Team", "CollectiveWork", "Algorithm", "SUBTAGS"]
 
 Algorithm = Generator[Any, None, Any]
-SUBTAGS = 64  # message streams per collective call: tag = sequence * SUBTAGS + phase * 8 + sub
+SUBTAGS = 1 << BLOCK_BITS  # message streams per collective call: tag = sequence * SUBTAGS + phase * 8 + sub
 _PHASES = 8
 
 
@@ -38,21 +40,25 @@ class Team:
 
     Ranks are the communicator's ranks (0 <= rank < size); every message of
     the call carries the call's own tag, so concurrent collectives never match
-    each other's messages.
+    each other's messages, and the call's stamp (tcoll.algos.stamps), so a
+    receive that gets a message of another call fails with MismatchError.
 
     Attributes:
         rank: this rank in the communicator.
         size: the number of ranks.
         chunk_bytes: the message size pipelined algorithms cut their data into.
+        stamp: what the call is (the same on every rank that makes the same call).
     """
 
-    __slots__ = ("rank", "size", "chunk_bytes", "sequence", "_engine", "_world", "_ctx", "_tag", "_receives")
+    __slots__ = ("rank", "size", "chunk_bytes", "sequence", "stamp", "_engine", "_world", "_ctx", "_tag",
+                 "_receives")
 
     def __init__(self, engine: Engine, world_ranks: list[int], rank: int, ctx: int, sequence: int,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, stamp: int = 0) -> None:
         self.rank = rank
         self.size = len(world_ranks)
         self.chunk_bytes = chunk_bytes
+        self.stamp = stamp
         self._engine = engine
         self._world = world_ranks
         self._ctx = ctx
@@ -72,7 +78,7 @@ class Team:
         offset = self._tag - self.sequence * SUBTAGS + index * 8
         if index < 0 or offset >= SUBTAGS:
             raise ValueError(f"phase {index} goes beyond the {_PHASES} phases of a collective call")
-        other = Team(self._engine, self._world, self.rank, self._ctx, self.sequence, self.chunk_bytes)
+        other = Team(self._engine, self._world, self.rank, self._ctx, self.sequence, self.chunk_bytes, self.stamp)
         other._tag += offset
         other._receives = self._receives
         return other
@@ -95,7 +101,7 @@ class Team:
 
         Messages to one peer on one stream arrive in the order they were sent.
         """
-        return self._engine.isend(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr)
+        return self._engine.isend(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr, self.stamp)
 
     def recv(self, arr: np.ndarray, peer: int, sub: int = 0) -> Work:
         """Start receiving exactly arr.nbytes bytes from team rank `peer` into `arr` (stream `sub`, 0-7).
@@ -105,9 +111,13 @@ class Team:
         """
         if not arr.flags.writeable:
             raise ValueError(f"collective #{self.sequence}: receive into a read-only buffer")
-        work = self._engine.irecv(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr)
+        work = self._engine.irecv(_raw(arr), self._world[peer], self._ctx, self._tag + sub, arr, self.stamp)
         self._receives.append(work)  # type: ignore[arg-type]
         return work
+
+    def rank_of(self, world_rank: int) -> int:
+        """The communicator rank of a world rank (as messages name their peers)."""
+        return self._world.index(world_rank) if world_rank in self._world else world_rank
 
     def chunk_count(self, itemsize: int) -> int:
         """Elements per pipelined message for items of `itemsize` bytes (at least 1)."""
@@ -131,7 +141,7 @@ class CollectiveWork(Work):
         team: the call's Team (its receives are withdrawn if the call fails).
     """
 
-    __slots__ = ("_algorithm", "_pending", "_stepping", "_team")
+    __slots__ = ("_algorithm", "_pending", "_stepping", "_team", "received")
 
     def __init__(self, engine: Engine, algorithm: Algorithm, description: str, team: Team) -> None:
         super().__init__(engine, description)
@@ -139,6 +149,7 @@ class CollectiveWork(Work):
         self._pending: list[Work] = []
         self._stepping = False
         self._team = team
+        self.received = False  # whether this rank's part took any message (a root of a broadcast takes none)
 
     def start(self) -> CollectiveWork:
         """Run the algorithm up to its first wait."""
@@ -170,21 +181,36 @@ class CollectiveWork(Work):
                 if not work._done:
                     work.add_done_callback(self._step)
                     return
+                error = work._error
+                if isinstance(error, MismatchError):
+                    raise self._explained(error)
                 if type(work) is RecvWork and work.nbytes != work.capacity and work.nbytes >= 0:
+                    peer = self._team.rank_of(work.peer)
                     raise MismatchError(
-                        f"{self._description}: rank {work.peer} sent {work.nbytes} bytes where "
-                        f"{work.capacity} were expected; do all ranks call it with the same sizes?"
-                    ) from work._error
-                if work._error is not None:
-                    raise work._error
+                        f"{self._description}: rank {peer} sent {work.nbytes} bytes where {work.capacity} were "
+                        "expected; do all ranks call it with the same sizes?", ranks=[peer]) from error
+                if error is not None:
+                    raise error
             try:
                 waited = self._algorithm.send(None)
             except StopIteration as stop:
                 self._pending = []
+                self.received = bool(self._team._receives)
                 self._team._receives = []
                 self._finish(stop.value)
                 return
             self._pending = [waited] if isinstance(waited, Work) else list(waited)
+
+    def _explained(self, error: BaseException) -> BaseException:
+        """A receive's raw stamp mismatch, said in terms of this call and the communicator's ranks."""
+        if not isinstance(error, MismatchError) or error.peer < 0 or not error.mine:
+            return error
+        peer = self._team.rank_of(error.peer)
+        text = disagreement(peer, error.theirs, self._team.rank, error.mine)
+        explained = MismatchError(f"{self._description}: {text}", ranks=[peer], peer=error.peer, mine=error.mine,
+                                  theirs=error.theirs)
+        explained.__cause__ = error
+        return explained
 
     def abort(self, error: BaseException) -> None:
         """Fail the call: withdraw its receives not yet matched, drop its late messages, stop the algorithm.

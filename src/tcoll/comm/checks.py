@@ -13,8 +13,8 @@ import numpy as np
 from ..buffers import as_array, empty_like_kind
 from ..ops import Op, as_op
 
-__all__ = ["MAX_TAG", "check_peer", "check_tag", "reduction_input", "output", "row_counts", "rows_array",
-           "chunk_views", "stacked_chunks"]
+__all__ = ["MAX_TAG", "check_peer", "check_tag", "reduction_input", "output", "apart", "row_counts",
+           "rows_array", "chunk_views", "stacked_chunks"]
 
 MAX_TAG = (1 << 62) - 1
 
@@ -57,6 +57,17 @@ def output(like: Any, arr: np.ndarray, out: Any, shape: tuple[int, ...], what: s
         raise ValueError(f"{what} out must have shape {shape} and dtype {arr.dtype}; "
                          f"got {view.shape} {view.dtype}")
     return out, view.reshape(-1)
+
+
+def apart(source: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """`source`, or a copy of it when `out` overlaps it: an output may overlap the input (MPI's IN_PLACE).
+
+    The call then reads the input as it was when the call began, whatever the
+    algorithm writes into `out` meanwhile.
+    """
+    if out is not None and out.size and source.size and np.may_share_memory(source, out):
+        return source.copy()
+    return source
 
 
 def row_counts(counts: Any, size: int, total: int) -> list[int]:

@@ -23,7 +23,7 @@ Importing this module registers both algorithm families.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,64 +33,19 @@ from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gat
 from ..algos import select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
-from ..errors import TcollError, TransportError
+from ..errors import MismatchError, TcollError, TransportError
 from ..ops import Op
 from ..p2p.engine import Engine
 from ..shm import blocks, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.heap import heap_of
+from .agreement import Agreement, Running
+from .calls import Call, Program
 
-__all__ = ["Call", "Dispatcher", "Program"]
+__all__ = ["Dispatcher"]
 
-_ARENA_PHASE = 6  # the phases of a call that open the arena: 6 (address) and 7 (barrier)
+_ARENA_PHASE = 6  # the phases of a call that open the arena: 6 (barriers) and 7 (the address)
 _MAX_STEPS = 3  # steps of a program: phases 0-5
-
-
-class Call:
-    """One collective call (or one step of a program), its arguments checked.
-
-    Args:
-        collective: the registry's name ("all_reduce", ...).
-        args: the algorithm's arguments after the team or arena (see tcoll.algos.registry).
-        nbytes: one rank's input in bytes, for the cost model.
-        label: the user's name for the call, in messages (default: collective).
-        op: the reduce op, if any (finish() applies its last touch, e.g. avg's division).
-        itemsize: bytes per element of a reduction (a slot share must hold one per rank).
-        uneven: the ranks' counts differ.
-        algorithm: "auto" or the algorithm asked for.
-        result: what the call returns.
-        finish_buf: the reduced data op.finish touches (None: nothing to finish on this rank).
-        staged: (place, block): this rank's own block, which team algorithms expect in
-            place (copied there first) and direct ones take as their last argument.
-    """
-
-    __slots__ = ("collective", "args", "nbytes", "label", "op", "itemsize", "uneven", "algorithm", "result",
-                 "finish_buf", "staged")
-
-    def __init__(self, collective: str, args: tuple[Any, ...], nbytes: int, *, label: str | None = None,
-                 op: Op | None = None, itemsize: int = 1, uneven: bool = False, algorithm: str = "auto",
-                 result: Any = None, finish_buf: np.ndarray | None = None,
-                 staged: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        self.collective = collective
-        self.args = args
-        self.nbytes = nbytes
-        self.label = label or collective
-        self.op = op
-        self.itemsize = itemsize
-        self.uneven = uneven
-        self.algorithm = algorithm
-        self.result = result
-        self.finish_buf = finish_buf
-        self.staged = staged
-
-    def finish(self, size: int) -> Any:
-        """The call's last touch on this rank (avg divides), and its result."""
-        if self.finish_buf is not None and self.op is not None:
-            self.op.finish(self.finish_buf, size)
-        return self.result
-
-
-Program = Generator[Call, Any, Any]  # yields a Call per step, gets its result, returns the call's
 
 
 class Dispatcher:
@@ -114,10 +69,12 @@ class Dispatcher:
         self.timeout = timeout
         self.sequence = 0  # collective calls so far
         self.arena: Arena | None = None
+        self._stale = False  # a call failed since the arena was opened: the next direct call opens a new one
         self._forced = engine.settings.forced_algorithms()  # TCOLL_ALGO: {collective: algorithm} for "auto"
         self._choices: dict[tuple[Any, ...], AlgorithmInfo] = {}
         self._direct_ok: bool | None = None
         self._costs: select.Costs | None = None
+        self.agreement = Agreement(engine, world, ctx, self._arena_alarm, self._arena_stale)
         self.closed = False
 
     # -- running ---------------------------------------------------------------------
@@ -125,16 +82,49 @@ class Dispatcher:
     def run(self, call: Call, async_op: bool = False) -> Any:
         """Run one call: its result, or (async_op) a Work whose result() it is."""
         sequence = self._next()
-        info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
-                           call.itemsize)
-        return self._execute(info, call, sequence, 0, async_op, [None])
+        running = None
+        try:
+            info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
+                               call.itemsize)
+            running = self.agreement.begin(sequence, call.label, call.stamp(info.name), info.direct)
+            return self._execute(info, call, running, 0, async_op, [None], settle=True)
+        except BaseException as exc:
+            cause = self._cause(running, exc)
+            self._failed(sequence, call.label, call.stamp(None), running, cause)
+            if cause is not exc:
+                raise cause from exc
+            raise
 
-    def run_program(self, program: Program, label: str, async_op: bool = False) -> Any:
-        """Run a call made of steps (see the module docstring); its result, or a Work."""
+    def run_program(self, program: Program, head: Call, async_op: bool = False) -> Any:
+        """Run a call made of steps (see the module docstring); its result, or a Work.
+
+        Args:
+            program: the steps.
+            head: what the stamp says of the whole call: label, collective and op of its data step, root,
+                and the algorithm asked for (the messages of every step carry it).
+        """
         sequence = self._next()
-        if async_op:
-            team = self.team_for(sequence)
-            return self.start(team, f"{label} #{sequence}", self._program_body(program, team), True)
+        requested = head.algorithm if head.algorithm != "auto" else self._forced.get(head.collective)
+        stamp = head.stamp(requested)
+        running = None
+        try:
+            running = self.agreement.begin(sequence, head.label, stamp, False)
+            if async_op:
+                team = self.team_for(sequence, stamp)
+                return self.start(team, f"{head.label} #{sequence}", self._program_body(program, team), True,
+                                  running)
+            result = self._program_steps(program, running)
+        except BaseException as exc:
+            cause = self._cause(running, exc)
+            self._failed(sequence, head.label, stamp, running, cause)
+            if cause is not exc:
+                raise cause from exc
+            raise
+        self.agreement.end(running)
+        return result
+
+    def _program_steps(self, program: Program, running: Running) -> Any:
+        """A blocking program: each step dispatched on its own (it may run on the arena)."""
         teams: list[Team | None] = [None]
         value: Any = None
         for step in range(_MAX_STEPS + 1):
@@ -143,10 +133,10 @@ class Dispatcher:
             except StopIteration as stop:
                 return stop.value
             if step == _MAX_STEPS:
-                raise AssertionError(f"{label}: a program has at most {_MAX_STEPS} steps")
+                raise AssertionError(f"{running.label}: a program has at most {_MAX_STEPS} steps")
             info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, True,
                                call.itemsize)
-            value = self._execute(info, call, sequence, 2 * step, False, teams)
+            value = self._execute(info, call, running, 2 * step, False, teams)
         raise AssertionError("unreachable")
 
     def _program_body(self, program: Program, team: Team) -> Algorithm:
@@ -162,16 +152,38 @@ class Dispatcher:
             value = yield from self._team_steps(info, call, team.phase(2 * step))
         raise AssertionError(f"a program has at most {_MAX_STEPS} steps")
 
-    def _execute(self, info: AlgorithmInfo, call: Call, sequence: int, phase: int, async_op: bool,
-                 teams: list[Team | None]) -> Any:
-        """Run `call` with `info`: on the arena if direct, else on (phase of) the call's team."""
+    def run_custom(self, label: str, body: Callable[[Team], Algorithm], async_op: bool = False,
+                   root: int = 0) -> Any:
+        """Run a call that talks through its Team in its own way (the object collectives)."""
+        sequence = self._next()
+        stamp = Call(label, (), 0, root=root).stamp(None)
+        running = None
+        try:
+            running = self.agreement.begin(sequence, label, stamp, False)
+            team = self.team_for(sequence, stamp)
+            return self.start(team, f"{label} #{sequence}", body(team), async_op, running)
+        except BaseException as exc:
+            self._failed(sequence, label, stamp, running, exc)
+            raise
+
+    def _execute(self, info: AlgorithmInfo, call: Call, running: Running, phase: int, async_op: bool,
+                 teams: list[Team | None], settle: bool = False) -> Any:
+        """Run `call` with `info`: on the arena if direct, else on (phase of) the call's team.
+
+        Args:
+            settle: the call is this one step: when it ends, tell the agreement (a program does it itself).
+        """
+        running.quiet = info.direct
         if info.direct:
-            self._on_arena(info, call, sequence, teams)
+            self._on_arena(info, call, running, teams)
+            if settle:
+                self.agreement.end(running)
             return call.finish(self.size)
-        team = teams[0] or self.team_for(sequence)
+        team = teams[0] or self.team_for(running.sequence, running.stamp)
         teams[0] = team
-        description = f"{call.label} #{sequence} ({info.name}, {call.nbytes} B per rank)"
-        return self.start(team, description, self._team_steps(info, call, team.phase(phase)), async_op)
+        description = f"{call.label} #{running.sequence} ({info.name}, {call.nbytes} B per rank)"
+        body = self._team_steps(info, call, team.phase(phase))
+        return self.start(team, description, body, async_op, running if settle else None, running)
 
     def _team_steps(self, info: AlgorithmInfo, call: Call, team: Team) -> Algorithm:
         if call.staged is not None:
@@ -180,36 +192,71 @@ class Dispatcher:
         yield from info.run(team, *call.args)
         return call.finish(team.size)
 
-    def _on_arena(self, info: AlgorithmInfo, call: Call, sequence: int, teams: list[Team | None]) -> None:
-        """Run a direct algorithm; a failure anywhere in it breaks the arena.
+    def _on_arena(self, info: AlgorithmInfo, call: Call, running: Running, teams: list[Team | None]) -> None:
+        """Run a direct algorithm on the arena (opened, or opened anew, first if need be)."""
+        arena = self._arena(running, teams)
+        arena.begin(running.stamp, running.sequence, call.label)
+        if call.staged is None:
+            info.run(arena, *call.args)
+        else:
+            info.run(arena, *call.args, call.staged[1])
 
-        Whatever interrupts a call (an exception from a user op, a timeout,
-        Ctrl-C) leaves this rank's step number out of step with the others',
-        so later direct calls must refuse at once instead of waiting on steps
-        that will never come.
+    def _cause(self, running: Running | None, error: BaseException) -> BaseException:
+        """The error to raise for a failed call: another rank's notice about it, if one came, else `error`.
+
+        When a call fails on several ranks, the first failure is the cause and the others its
+        consequences (a file already removed, a peer that left): the notice of the first says why.
         """
-        arena = self._arena(call.label, sequence, teams)
-        try:
-            if call.staged is None:
-                info.run(arena, *call.args)
-            else:
-                info.run(arena, *call.args, call.staged[1])
-        except BaseException as exc:
-            if arena.broken is None:
-                arena.broken = exc
-            raise
+        if running is None or running.told is not None or isinstance(error, MismatchError):
+            return error if running is None or running.told is None else running.told
+        self.engine.poll()  # a notice that came meanwhile raises its alarm, which sets running.told
+        return running.told or error
 
-    def team_for(self, sequence: int) -> Team:
-        """The Team of call `sequence` (every rank numbers its calls alike)."""
-        return Team(self.engine, self.world, self.rank, self.ctx, sequence, self.engine.settings.coll_chunk)
+    def _failed(self, sequence: int, label: str, stamp: int, running: Running | None, error: BaseException) -> None:
+        """Call `sequence` failed on this rank: the other ranks are told (unless they learn it by themselves)."""
+        if running is None:
+            self.agreement.fail_unstarted(sequence, label, stamp, error)
+        elif running.sequence in self.agreement.watch.calls:  # not settled yet (a Work's callback may have)
+            self.agreement.fail(running, error)
 
-    def team(self) -> Team:
-        """A Team for a call the caller runs itself (object collectives): takes the next sequence number."""
-        return self.team_for(self._next())
+    def _arena_stale(self) -> None:
+        """Ranks learn of a failed call: the next direct call opens a new arena (all ranks do, at the same call)."""
+        self._stale = True
 
-    def start(self, team: Team, description: str, body: Algorithm, async_op: bool) -> Any:
-        """Start `body` as a CollectiveWork named `description`; wait for it unless async_op."""
-        work = CollectiveWork(self.engine, body, description, team).start()
+    def _arena_alarm(self, error: BaseException) -> None:
+        """What an alarm says of a call that runs on the arena: its waits raise it."""
+        if self.arena is not None:
+            self.arena.alarm = error
+
+    def failed_unnumbered(self, label: str, error: BaseException) -> None:
+        """A call failed its argument checks on this rank: it takes its sequence number all the same.
+
+        The other ranks are told, so that their part of it fails too, and no
+        later call of this rank pairs with an earlier call of theirs.
+        """
+        if self.closed or self.engine.closed:
+            return
+        self.sequence += 1
+        self.agreement.fail_unstarted(self.sequence, label, Call(label, (), 0).stamp(None), error)
+
+    def team_for(self, sequence: int, stamp: int = 0) -> Team:
+        """The Team of call `sequence` (every rank numbers its calls alike), its messages stamped `stamp`."""
+        return Team(self.engine, self.world, self.rank, self.ctx, sequence, self.engine.settings.coll_chunk, stamp)
+
+    def start(self, team: Team, description: str, body: Algorithm, async_op: bool, settle: Running | None = None,
+              step_of: Running | None = None) -> Any:
+        """Start `body` as a CollectiveWork named `description`; wait for it unless async_op.
+
+        Args:
+            settle: the call whose end this work is: the agreement hears of it when it completes or fails.
+            step_of: the call this work is a step of: an alarm about that call aborts it.
+        """
+        work = CollectiveWork(self.engine, body, description, team)
+        if settle is not None or step_of is not None:
+            (settle or step_of).work = work  # type: ignore[union-attr]
+        if settle is not None:
+            work.add_done_callback(lambda done: self._settle(settle, done))
+        work.start()
         if async_op:
             return work
         try:
@@ -217,6 +264,14 @@ class Dispatcher:
         except BaseException as exc:
             work.abort(exc)  # a timeout or interrupt: withdraw what is still posted
             raise
+
+    def _settle(self, running: Running, work: CollectiveWork) -> None:
+        """A call's (last) Work completed or failed: tell the agreement."""
+        error = work._error
+        if error is None:
+            self.agreement.end(running, sent_only=not work.received)
+        else:
+            self.agreement.fail(running, error)
 
     def _next(self) -> int:
         if self.closed or self.engine.closed:
@@ -295,32 +350,47 @@ class Dispatcher:
 
     # -- the arena ---------------------------------------------------------------------
 
-    def _arena(self, label: str, sequence: int, teams: list[Team | None]) -> Arena:
-        """The communicator's arena; the first direct call opens it, as part of that call."""
+    def _arena(self, running: Running, teams: list[Team | None]) -> Arena:
+        """The communicator's arena; the first direct call opens it, as part of that call.
+
+        After a call failed (here, or on another rank: its notice says so), the
+        ranks' steps may no longer agree, so the next direct call opens a new
+        arena; every rank learns of the failure before its next call, so all
+        open it at the same call.
+        """
         arena = self.arena
-        if arena is None:
-            team = teams[0] or self.team_for(sequence)
+        if arena is None or self._stale:
+            if arena is not None:
+                self.arena = None
+                if arena.close in self.engine.closers:
+                    self.engine.closers.remove(arena.close)
+                arena.close()
+            team = teams[0] or self.team_for(running.sequence, running.stamp)
             teams[0] = team
-            arena = self.arena = self._open_arena(team, f"{label} #{sequence}")
+            running.quiet = False  # the opening talks point-to-point
+            arena = self._open_arena(team, f"{running.label} #{running.sequence}", running)
+            running.quiet = True
+            self.arena, self._stale = arena, False
             self.engine.closers.append(arena.close)
-        elif arena.broken is not None or self.closed:
-            if self.closed:
-                raise TcollError("the communicator is closed")
-            arena.check_usable()
         arena.timeout = self.timeout
         return arena
 
-    def _open_arena(self, team: Team, description: str) -> Arena:
+    def _open_arena(self, team: Team, description: str, running: Running) -> Arena:
         """Open the arena (collective): rank 0 creates its segment and broadcasts the address.
 
-        Every rank maps it; after a barrier (all have mapped) rank 0 unlinks
-        the file, so nothing is left in /dev/shm even if the job is killed
-        later. Rank 0's slot size rules, so a differing setting cannot skew
-        the layout.
+        A barrier comes first: a rank that still runs the call on an old
+        arena (it has not heard of a failure yet) gets one of its messages,
+        raises a mismatch, and tells the others, instead of leaving them
+        waiting for it. Every rank then maps the segment; after a second
+        barrier (all have mapped) rank 0 unlinks the file, so nothing is left
+        in /dev/shm even if the job is killed later. Rank 0's slot size rules,
+        so a differing setting cannot skew the layout.
 
         Raises:
             TransportError: the segment cannot be created or mapped.
         """
+        opening = f"{description}, opening the shared-memory arena"
+        self._arena_barrier(team, opening, running)
         address = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
         segment, failure = None, None
         if self.rank == 0:
@@ -330,10 +400,10 @@ class Dispatcher:
                 address = encode_address(slot, segment.path)
             except TransportError as exc:
                 failure = exc  # the others learn it from the empty address
-        opening = f"{description}, opening the shared-memory arena"
         try:
-            self.start(team.phase(_ARENA_PHASE), opening,
-                       lookup("broadcast", "binomial").run(team.phase(_ARENA_PHASE), address, 0), False)
+            address_team = team.phase(_ARENA_PHASE + 1)
+            self.start(address_team, opening, lookup("broadcast", "binomial").run(address_team, address, 0), False,
+                       step_of=running)
             if failure is not None:
                 raise failure
             found = decode_address(address)
@@ -342,16 +412,23 @@ class Dispatcher:
             slot, path = found
             if segment is None:
                 segment = open_segment(path)
-            barrier_team = team.phase(_ARENA_PHASE + 1)
-            self.start(barrier_team, opening, lookup("barrier", "dissemination").run(barrier_team), False)
+            self._arena_barrier(team, opening, running)
         finally:
             if self.rank == 0 and segment is not None:
                 segment.unlink()
         return Arena(self.engine, self.world, self.rank, segment, slot, heap_of(self.engine, self.run_id))
 
+    def _arena_barrier(self, team: Team, description: str, running: Running) -> None:
+        """A barrier among the ranks opening the arena, on phase 6 (twice: FIFO keeps the rounds apart)."""
+        barrier_team = team.phase(_ARENA_PHASE)
+        self.start(barrier_team, description, lookup("barrier", "dissemination").run(barrier_team), False,
+                   step_of=running)
+        running.work = None
+
     def close(self) -> None:
-        """Release the arena (a sub-communicator's goes with it, not with the world)."""
+        """Release the arena (a sub-communicator's goes with it, not with the world), stop watching."""
         self.closed = True
+        self.agreement.close()
         arena, self.arena = self.arena, None
         if arena is not None:
             if arena.close in self.engine.closers:
@@ -371,4 +448,4 @@ class Dispatcher:
         """
         blocking = not async_op
         info = self._resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
-        return self._execute(info, Call(collective, args, 0), self._next(), 0, async_op, [None])
+        return self.run(Call(collective, args, 0, algorithm=info.name), async_op)

@@ -15,8 +15,8 @@ import numpy as np
 from ..buffers import as_array
 from ..errors import MismatchError
 from . import describe
-from .checks import check_peer, output, stacked_chunks
-from .dispatch import Call, Program
+from .calls import Call, Program, numbered
+from .checks import apart, check_peer, output, stacked_chunks
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["broadcast", "all_gather", "gather", "scatter", "all_to_all"]
 
 
+@numbered("broadcast")
 def broadcast(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Copy `x` of `root` into `x` of every rank.
 
@@ -42,9 +43,12 @@ def broadcast(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "au
     """
     check_peer(root, comm.size, "root")
     flat = as_array(x, writable=comm.rank != root, what="broadcast buffer").reshape(-1)
-    return comm._dispatch.run(Call("broadcast", (flat, root), flat.nbytes, algorithm=algorithm, result=x), async_op)
+    call = Call("broadcast", (flat, root), flat.nbytes, algorithm=algorithm, result=x, dtype=flat.dtype,
+                count=flat.size, root=root)
+    return comm._dispatch.run(call, async_op)
 
 
+@numbered("all_gather")
 def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = "auto",
                async_op: bool = False) -> Any:
     """Gather every rank's `x` on every rank.
@@ -66,12 +70,13 @@ def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     user_out, out_flat = output(x, arr, out, (comm.size, *arr.shape), "all_gather")
     count = arr.size
     # The direct algorithm copies this rank's block too, piece by piece, from cache.
-    own = (out_flat[comm.rank * count:(comm.rank + 1) * count], arr.reshape(-1))
+    own = (out_flat[comm.rank * count:(comm.rank + 1) * count], apart(arr.reshape(-1), out_flat))
     call = Call("all_gather", (out_flat, [count] * comm.size), arr.nbytes, algorithm=algorithm, result=user_out,
-                staged=own)
+                staged=own, dtype=arr.dtype, count=count)
     return comm._dispatch.run(call, async_op)
 
 
+@numbered("gather")
 def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
            async_op: bool = False) -> Any:
     """Gather every rank's `x` on `root`.
@@ -97,12 +102,14 @@ def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algori
     user_out, out_flat = None, None
     if comm.rank == root:
         user_out, out_flat = output(x, arr, out, (comm.size, *arr.shape), "gather")
+        send = apart(send, out_flat)
         out_flat[root * count:(root + 1) * count] = send
     call = Call("gather", (send, out_flat, [count] * comm.size, root), arr.nbytes, algorithm=algorithm,
-                result=user_out)
+                result=user_out, dtype=arr.dtype, count=count, root=root)
     return comm._dispatch.run(call, async_op)
 
 
+@numbered("scatter")
 def scatter(comm: Communicator, chunks: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
             async_op: bool = False) -> Any:
     """Send chunk r of `root` to rank r.
@@ -133,8 +140,8 @@ def scatter(comm: Communicator, chunks: Any, root: int = 0, out: Any = None, *, 
     described = np.zeros(describe.META_BYTES, dtype=np.uint8)
     if send is not None:
         described[:] = describe.encode(like)
-    return comm._dispatch.run_program(_scatter_steps(comm, send, described, root, out, algorithm), "scatter",
-                                      async_op)
+    head = Call("scatter", (), 0, root=root, algorithm=algorithm)
+    return comm._dispatch.run_program(_scatter_steps(comm, send, described, root, out, algorithm), head, async_op)
 
 
 def _scatter_steps(comm: Communicator, send: np.ndarray | None, described: np.ndarray, root: int, out: Any,
@@ -145,6 +152,7 @@ def _scatter_steps(comm: Communicator, send: np.ndarray | None, described: np.nd
     user_out, out_flat = _scatter_output(out, kind, dtype, shape)
     count = out_flat.size
     if send is not None:
+        send = apart(send, out_flat)
         out_flat[:] = send[root * count:(root + 1) * count]
     # Chosen only now, from root's description, so that every rank makes the same choice.
     yield Call("scatter", (send, out_flat, [count] * comm.size, root), out_flat.nbytes, algorithm=algorithm)
@@ -163,6 +171,7 @@ def _scatter_output(out: Any, kind: str, dtype: np.dtype, shape: tuple[int, ...]
     return out, view.reshape(-1)
 
 
+@numbered("all_to_all")
 def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = "auto",
                async_op: bool = False) -> Any:
     """Send part j of `x` to rank j; receive part i of every rank i.
@@ -183,10 +192,11 @@ def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     if arr.ndim == 0 or arr.shape[0] != comm.size:
         raise ValueError(f"all_to_all needs x of shape ({comm.size}, ...): one part per rank; got {arr.shape}")
     user_out, out_flat = output(x, arr, out, arr.shape, "all_to_all")
-    send = arr.reshape(-1)
+    send = apart(arr.reshape(-1), out_flat)
     count = send.size // comm.size
     mine = slice(comm.rank * count, (comm.rank + 1) * count)
     out_flat[mine] = send[mine]
     counts = [count] * comm.size
-    call = Call("all_to_all", (send, out_flat, counts, counts), send.nbytes, algorithm=algorithm, result=user_out)
+    call = Call("all_to_all", (send, out_flat, counts, counts), send.nbytes, algorithm=algorithm, result=user_out,
+                dtype=send.dtype, count=send.size)
     return comm._dispatch.run(call, async_op)

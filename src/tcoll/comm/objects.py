@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..algos.team import Algorithm, Team
-from ..errors import MismatchError, TcollError
+from ..errors import MismatchError, TcollError, known_to_peers
 from ..p2p.work import RecvWork
+from .calls import numbered
 from .checks import check_peer, check_tag
 from .pickling import (FAILED, SLOTS, Parts, allocate, check_failed, copy_load, dump, exchange_parts, load,
                        overflow_for, size_record, try_dump)
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["broadcast_object", "all_gather_object", "gather_object", "scatter_object", "send_object", "recv_object"]
 
 
+@numbered("broadcast_object")
 def broadcast_object(comm: Communicator, obj: Any, root: int = 0, *, async_op: bool = False) -> Any:
     """Send the object `obj` of `root` to every rank.
 
@@ -64,14 +66,13 @@ def broadcast_object(comm: Communicator, obj: Any, root: int = 0, *, async_op: b
     at_root = comm.rank == root
     mine, error = try_dump(obj) if at_root else (None, None)
     record, mine_overflow = size_record(mine) if at_root else (np.zeros(SLOTS + 1, np.int64), None)
-    team = comm._dispatch.team()
 
-    def body() -> Algorithm:
+    def body(team: Team) -> Algorithm:
         yield from _broadcast(comm, team.phase(0), record, root)
         if record[0] == FAILED:
             if error is not None:
-                raise error
-            raise TcollError(f"broadcast_object: root {root} could not pickle its object")
+                raise known_to_peers(error)
+            raise known_to_peers(TcollError(f"broadcast_object: root {root} could not pickle its object"))
         overflow = overflow_for(record) if mine_overflow is None else mine_overflow
         if overflow.size:
             yield from _broadcast(comm, team.phase(1), overflow, root)
@@ -80,9 +81,10 @@ def broadcast_object(comm: Communicator, obj: Any, root: int = 0, *, async_op: b
             yield from _broadcast(comm, team.phase(2), part, root)
         return obj if at_root else load(parts or [])
 
-    return _start(comm, team, "broadcast_object", body(), async_op)
+    return comm._dispatch.run_custom("broadcast_object", body, async_op, root)
 
 
+@numbered("all_gather_object")
 def all_gather_object(comm: Communicator, obj: Any, *, async_op: bool = False) -> Any:
     """Gather every rank's object on every rank.
 
@@ -100,20 +102,20 @@ def all_gather_object(comm: Communicator, obj: Any, *, async_op: bool = False) -
         TcollError: another rank could not pickle its object (that rank raises the pickling error).
     """
     parts, error = try_dump(obj)
-    team = comm._dispatch.team()
 
-    def body() -> Algorithm:
+    def body(team: Team) -> Algorithm:
         peers = [(team.rank + k) % team.size for k in range(1, team.size)]
         received = yield from exchange_parts(team, {peer: parts for peer in peers}, peers)
         if error is not None:
-            raise error
+            raise known_to_peers(error)
         check_failed("all_gather_object", received)
         received[team.rank] = parts
         return [(copy_load if r == team.rank else load)(received[r]) for r in range(team.size)]
 
-    return _start(comm, team, "all_gather_object", body(), async_op)
+    return comm._dispatch.run_custom("all_gather_object", body, async_op)
 
 
+@numbered("gather_object")
 def gather_object(comm: Communicator, obj: Any, root: int = 0, *, async_op: bool = False) -> Any:
     """Gather every rank's object on `root`.
 
@@ -131,24 +133,24 @@ def gather_object(comm: Communicator, obj: Any, root: int = 0, *, async_op: bool
     """
     check_peer(root, comm.size, "root")
     parts, error = try_dump(obj)
-    team = comm._dispatch.team()
 
-    def body() -> Algorithm:
+    def body(team: Team) -> Algorithm:
         if team.rank != root:
             yield from exchange_parts(team, {root: parts}, [])
             if error is not None:
-                raise error
+                raise known_to_peers(error)
             return None
         others = [r for r in range(team.size) if r != root]
         received = yield from exchange_parts(team, {}, others)
         if error is not None:
-            raise error
+            raise known_to_peers(error)
         check_failed("gather_object", received)
         return [copy_load(parts or []) if r == root else load(received[r] or []) for r in range(team.size)]
 
-    return _start(comm, team, "gather_object", body(), async_op)
+    return comm._dispatch.run_custom("gather_object", body, async_op, root)
 
 
+@numbered("scatter_object")
 def scatter_object(comm: Communicator, objs: Sequence[Any] | None, root: int = 0, *,
                    async_op: bool = False) -> Any:
     """Send objs[r] of `root` to rank r.
@@ -178,20 +180,19 @@ def scatter_object(comm: Communicator, objs: Sequence[Any] | None, root: int = 0
         for r in range(comm.size):
             outgoing[r], failure = try_dump(objs[r])
             error = error or failure
-    team = comm._dispatch.team()
 
-    def body() -> Algorithm:
+    def body(team: Team) -> Algorithm:
         if team.rank == root:
             mine = outgoing.pop(root)
             yield from exchange_parts(team, outgoing, [])
             if error is not None:
-                raise error
+                raise known_to_peers(error)
             return copy_load(mine or [])
         received = yield from exchange_parts(team, {}, [root])
         check_failed("scatter_object", received)
         return load(received[root] or [])
 
-    return _start(comm, team, "scatter_object", body(), async_op)
+    return comm._dispatch.run_custom("scatter_object", body, async_op, root)
 
 
 def send_object(comm: Communicator, obj: Any, dst: int, tag: int = 0) -> None:
@@ -271,8 +272,3 @@ def _recv_exact(comm: Communicator, bufs: list[np.ndarray], src: int, tag: int) 
 def _broadcast(comm: Communicator, team: Team, buf: np.ndarray, root: int) -> Algorithm:
     """Broadcast `buf` with the point-to-point algorithm the cost model picks for its size."""
     yield from comm._dispatch.choose("broadcast", "auto", buf.nbytes).run(team, buf, root)
-
-
-def _start(comm: Communicator, team: Team, what: str, body: Algorithm, async_op: bool) -> Any:
-    """Start `body` as the call's Work; wait for it unless async_op."""
-    return comm._dispatch.start(team, f"{what} #{team.sequence}", body, async_op)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..algos.team import Algorithm, Team
-from ..errors import TcollError
+from ..errors import TcollError, known_to_peers
 from ..p2p.work import Work
 
 __all__ = ["INLINE_BYTES", "Parts", "dump", "load", "copy_load", "size_record", "overflow_for", "allocate",
@@ -117,7 +117,7 @@ def exchange_parts(team: Team, outgoing: dict[int, Parts | None], sources: list[
 def check_failed(what: str, received: dict[int, Parts | None]) -> None:
     failed = sorted(src for src, parts in received.items() if parts is None)
     if failed:
-        raise TcollError(f"{what}: rank {failed[0]} could not pickle its object")
+        raise known_to_peers(TcollError(f"{what}: rank {failed[0]} could not pickle its object"))
 
 
 def try_dump(obj: Any) -> tuple[Parts | None, BaseException | None]:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..ops import Op
-from .checks import check_peer, output, reduction_input, row_counts
-from .dispatch import Call
+from .calls import Call, numbered
+from .checks import apart, check_peer, output, reduction_input, row_counts
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatterv", "barrier"]
 
 
+@numbered("all_reduce")
 def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: str = "auto",
                async_op: bool = False) -> Any:
     """Reduce `x` over all ranks, in place on every rank.
@@ -45,10 +46,11 @@ def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: s
     """
     flat, resolved = reduction_input(x, op, "all_reduce buffer")
     call = Call("all_reduce", (flat, resolved), flat.nbytes, op=resolved, itemsize=flat.itemsize,
-                algorithm=algorithm, result=x, finish_buf=flat)
+                algorithm=algorithm, result=x, finish_buf=flat, dtype=flat.dtype, count=flat.size)
     return comm._dispatch.run(call, async_op)
 
 
+@numbered("reduce")
 def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, algorithm: str = "auto",
            async_op: bool = False) -> Any:
     """Reduce `x` over all ranks into `x` on `root`; x on the other ranks is left as it was.
@@ -70,10 +72,12 @@ def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, a
     arr, resolved = reduction_input(x, op, "reduce buffer", writable=comm.rank == root)
     flat = arr.reshape(-1)
     call = Call("reduce", (flat, resolved, root), flat.nbytes, op=resolved, itemsize=flat.itemsize,
-                algorithm=algorithm, result=x, finish_buf=flat if comm.rank == root else None)
+                algorithm=algorithm, result=x, finish_buf=flat if comm.rank == root else None, dtype=flat.dtype,
+                count=flat.size, root=root)
     return comm._dispatch.run(call, async_op)
 
 
+@numbered("reduce_scatter")
 def reduce_scatter(comm: Communicator, x: Any, op: str | Op = "sum", out: Any = None, *, algorithm: str = "auto",
                    async_op: bool = False) -> Any:
     """Reduce `x` over all ranks and give rank r the r-th of `size` equal parts (along axis 0).
@@ -99,10 +103,11 @@ def reduce_scatter(comm: Communicator, x: Any, op: str | Op = "sum", out: Any = 
     part_shape = (arr.shape[0] // comm.size, *arr.shape[1:])
     user_out, out_flat = output(x, arr, out, part_shape, "reduce_scatter")
     counts = [out_flat.size] * comm.size
-    return _reduce_scatter(comm, "reduce_scatter", arr.reshape(-1), out_flat, user_out, counts, resolved,
-                           algorithm, async_op)
+    return _reduce_scatter(comm, "reduce_scatter", apart(arr.reshape(-1), out_flat), out_flat, user_out, counts,
+                           resolved, algorithm, async_op)
 
 
+@numbered("reduce_scatterv")
 def reduce_scatterv(comm: Communicator, x: Any, counts: Sequence[int], op: str | Op = "sum", out: Any = None, *,
                     algorithm: str = "auto", async_op: bool = False) -> Any:
     """Reduce `x` over all ranks and give rank r rows [sum(counts[:r]), sum(counts[:r+1])) of the result.
@@ -129,18 +134,19 @@ def reduce_scatterv(comm: Communicator, x: Any, counts: Sequence[int], op: str |
     rows = row_counts(counts, comm.size, arr.shape[0])
     inner = math.prod(arr.shape[1:])
     user_out, out_flat = output(x, arr, out, (rows[comm.rank], *arr.shape[1:]), "reduce_scatterv")
-    return _reduce_scatter(comm, "reduce_scatterv", arr.reshape(-1), out_flat, user_out, [n * inner for n in rows],
-                           resolved, algorithm, async_op)
+    return _reduce_scatter(comm, "reduce_scatterv", apart(arr.reshape(-1), out_flat), out_flat, user_out,
+                           [n * inner for n in rows], resolved, algorithm, async_op)
 
 
 def _reduce_scatter(comm: Communicator, label: str, send: np.ndarray, out_flat: np.ndarray, user_out: Any,
                     counts: list[int], op: Op, algorithm: str, async_op: bool) -> Any:
     call = Call("reduce_scatter", (send, out_flat, counts, op), send.nbytes, label=label, op=op,
                 itemsize=send.itemsize, uneven=len(set(counts)) > 1, algorithm=algorithm, result=user_out,
-                finish_buf=out_flat)
+                finish_buf=out_flat, dtype=send.dtype, count=send.size)
     return comm._dispatch.run(call, async_op)
 
 
+@numbered("barrier")
 def barrier(comm: Communicator, *, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Return once every rank has called barrier().
 

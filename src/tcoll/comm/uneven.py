@@ -26,8 +26,8 @@ from ..algos.topology import displacements
 from ..buffers import empty_like_kind
 from ..errors import MismatchError
 from . import describe
+from .calls import Call, Program, numbered
 from .checks import check_peer, chunk_views, rows_array
-from .dispatch import Call, Program
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -88,6 +88,7 @@ def _check_algorithm(comm: Communicator, collective: str, algorithm: str, nbytes
         comm._dispatch.choose(collective, algorithm, nbytes, uneven=True, blocking=not async_op)
 
 
+@numbered("all_gatherv")
 def all_gatherv(comm: Communicator, x: Any, *, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Gather every rank's `x` on every rank; the ranks' lengths along axis 0 may differ.
 
@@ -106,7 +107,8 @@ def all_gatherv(comm: Communicator, x: Any, *, algorithm: str = "auto", async_op
     """
     arr = rows_array(x, "all_gatherv input")
     _check_algorithm(comm, "all_gather", algorithm, arr.nbytes, async_op)
-    return comm._dispatch.run_program(_all_gatherv_steps(comm, x, arr, algorithm), "all_gatherv", async_op)
+    head = Call("all_gather", (), 0, label="all_gatherv", algorithm=algorithm)
+    return comm._dispatch.run_program(_all_gatherv_steps(comm, x, arr, algorithm), head, async_op)
 
 
 def _all_gatherv_steps(comm: Communicator, x: Any, arr: np.ndarray, algorithm: str) -> Program:
@@ -122,6 +124,7 @@ def _all_gatherv_steps(comm: Communicator, x: Any, arr: np.ndarray, algorithm: s
     return _split(user_out, rows)
 
 
+@numbered("gatherv")
 def gatherv(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Gather every rank's `x` on `root`; the ranks' lengths along axis 0 may differ.
 
@@ -143,7 +146,8 @@ def gatherv(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "auto
     check_peer(root, comm.size, "root")
     arr = rows_array(x, "gatherv input")
     _check_algorithm(comm, "gather", algorithm, arr.nbytes, async_op)
-    return comm._dispatch.run_program(_gatherv_steps(comm, x, arr, root, algorithm), "gatherv", async_op)
+    head = Call("gather", (), 0, label="gatherv", root=root, algorithm=algorithm)
+    return comm._dispatch.run_program(_gatherv_steps(comm, x, arr, root, algorithm), head, async_op)
 
 
 def _gatherv_steps(comm: Communicator, x: Any, arr: np.ndarray, root: int, algorithm: str) -> Program:
@@ -161,6 +165,7 @@ def _gatherv_steps(comm: Communicator, x: Any, arr: np.ndarray, root: int, algor
     return None if user_out is None else _split(user_out, rows)
 
 
+@numbered("scatterv")
 def scatterv(comm: Communicator, chunks: Any, root: int = 0, *, algorithm: str = "auto",
              async_op: bool = False) -> Any:
     """Send chunks[r] of `root` to rank r; the chunks' lengths along axis 0 may differ.
@@ -191,7 +196,8 @@ def scatterv(comm: Communicator, chunks: Any, root: int = 0, *, algorithm: str =
         header[:] = _header(chunks[0], [v.shape[0] for v in views])
         send = np.concatenate([v.reshape(-1) for v in views])
     _check_algorithm(comm, "scatter", algorithm, 0 if send is None else send.nbytes // comm.size, async_op)
-    return comm._dispatch.run_program(_scatterv_steps(comm, header, send, root, algorithm), "scatterv", async_op)
+    head = Call("scatter", (), 0, label="scatterv", root=root, algorithm=algorithm)
+    return comm._dispatch.run_program(_scatterv_steps(comm, header, send, root, algorithm), head, async_op)
 
 
 def _scatterv_steps(comm: Communicator, header: np.ndarray, send: np.ndarray | None, root: int,
@@ -209,6 +215,7 @@ def _scatterv_steps(comm: Communicator, header: np.ndarray, send: np.ndarray | N
     return user_out
 
 
+@numbered("all_to_allv")
 def all_to_allv(comm: Communicator, chunks: Any, *, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Send chunks[j] to rank j and receive one chunk from every rank; lengths along axis 0 may differ.
 
@@ -234,7 +241,8 @@ def all_to_allv(comm: Communicator, chunks: Any, *, algorithm: str = "auto", asy
     _check_algorithm(comm, "all_to_all", algorithm, send.nbytes, async_op)
     mine = _header(chunks[0], [v.shape[0] for v in views])
     program = _all_to_allv_steps(comm, chunks[0], views[0], mine, send, algorithm)
-    return comm._dispatch.run_program(program, "all_to_allv", async_op)
+    head = Call("all_to_all", (), 0, label="all_to_allv", algorithm=algorithm)
+    return comm._dispatch.run_program(program, head, async_op)
 
 
 def _all_to_allv_steps(comm: Communicator, like: Any, first: np.ndarray, mine: np.ndarray, send: np.ndarray,

@@ -10,7 +10,7 @@ none blocks):
   payload, in order, and calls `engine.send_done(send)` once the last byte is
   handed over.
 - `progress()` moves what can move now, both ways; True if anything did.
-  When a header arrives it asks `engine.match(peer, ctx, tag, nbytes)` for
+  When a header arrives it asks `engine.match(peer, ctx, tag, nbytes, stamp)` for
   the `RecvWork` it belongs to; None means "leave it in the channel for now"
   and the channel asks again on the next call. The payload is copied into
   `recv.data[recv.offset:]` (or skipped when `recv.data` is None), then
@@ -38,26 +38,28 @@ if TYPE_CHECKING:
 
 __all__ = ["HEADER", "MAGIC", "Channel", "pack_header", "unpack_header"]
 
-# magic | ctx | tag | nbytes | fingerprint (reserved for mismatch detection)
-HEADER = struct.Struct("<IIqQQ")
-MAGIC = 0x7C011001  # "tcoll" wire format, version 1
+# magic | ctx | tag | nbytes | stamp (low word, high word): what call the message belongs to, so that a
+# receiver can tell a message of another call at the same point (tcoll.algos.stamps); 0 for user messages.
+HEADER = struct.Struct("<IIqQQQ")
+MAGIC = 0x7C011002  # "tcoll" wire format, version 2
+_WORD = (1 << 64) - 1
 
 
-def pack_header(ctx: int, tag: int, nbytes: int, fingerprint: int = 0) -> bytes:
-    """Encode a message header (32 bytes)."""
-    return HEADER.pack(MAGIC, ctx, tag, nbytes, fingerprint)
+def pack_header(ctx: int, tag: int, nbytes: int, stamp: int = 0) -> bytes:
+    """Encode a message header (40 bytes)."""
+    return HEADER.pack(MAGIC, ctx, tag, nbytes, stamp & _WORD, stamp >> 64)
 
 
 def unpack_header(raw: bytes | memoryview, peer: int) -> tuple[int, int, int, int]:
-    """Decode a header into (ctx, tag, nbytes, fingerprint).
+    """Decode a header into (ctx, tag, nbytes, stamp).
 
     Raises:
         TransportError: the bytes are not a tcoll header (stream out of sync).
     """
-    magic, ctx, tag, nbytes, fingerprint = HEADER.unpack(raw)
+    magic, ctx, tag, nbytes, low, high = HEADER.unpack(raw)
     if magic != MAGIC:
         raise TransportError(f"corrupt message header from rank {peer} (magic {magic:#x})")
-    return ctx, tag, nbytes, fingerprint
+    return ctx, tag, nbytes, low | high << 64
 
 
 class Channel(abc.ABC):

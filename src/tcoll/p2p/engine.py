@@ -19,23 +19,21 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..env import Settings
-from ..errors import MessageSizeError, PeerLostError, TcollError, TimeoutError, TransportError
+from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
 from .channel import Channel
 from .waiting import Doorbell, SpinPolicy, cpu_count
+from .matching import Matcher
+from .watch import BlockWatch
 from .work import RecvWork, SendWork, Work
 
 __all__ = ["Engine"]
 
-_Key = tuple[int, int, int]  # (peer, ctx, tag)
-_EMPTY = np.empty(0, dtype=np.uint8)
-_ABANDONED_KEPT = 256  # failed collective calls whose late messages are discarded on arrival
 
 
 class Engine:
@@ -57,15 +55,16 @@ class Engine:
         self.channels: list[Channel | None] = [None] * size
         self._active: list[Channel] = []
         self._lock = threading.RLock()
-        self._posted: dict[_Key, deque[RecvWork]] = {}
-        self._posted_from = [0] * size
-        self._unexpected: dict[_Key, deque[RecvWork]] = {}
+        self.matcher = Matcher(self)
+        # Channels call these for every message: bound here, with no layer in between.
+        self.match = self.matcher.match
+        self.recv_done = self.matcher.done
+        self.expects_from = self.matcher.expects_from
         self._lost: dict[int, PeerLostError] = {}
         self.closed = False
         self.in_progress = 0  # depth of _progress calls; callbacks wait until it is 0
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
-        self._abandoned: deque[tuple[int, int, int]] = deque(maxlen=_ABANDONED_KEPT)  # (ctx, lo, hi) tags
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
 
     # -- setup ---------------------------------------------------------------
@@ -90,47 +89,29 @@ class Engine:
         return peer in self._lost
 
     def cancel(self, work: RecvWork) -> bool:
-        """Withdraw a posted receive that no message has matched yet.
-
-        Returns:
-            True if withdrawn; False if a message already matched it (it completes as usual).
-        """
-        key = (work.peer, work.ctx, work.tag)
+        """Withdraw a posted receive that no message has matched yet (see Matcher.cancel)."""
         with self._lock:
-            posted = self._posted.get(key)
-            if not posted or work not in posted:
-                return False
-            posted.remove(work)
-            if not posted:
-                del self._posted[key]
-            self._posted_from[work.peer] -= 1
-            work._fail(TcollError(f"{work.description} was cancelled"))
-            self._wake_own()
-            return True
+            withdrawn = self.matcher.cancel(work)
+            if withdrawn:
+                self._wake_own()
+            return withdrawn
 
     def abandon(self, ctx: int, lo: int, hi: int) -> None:
-        """Discard messages with context `ctx` and a tag in [lo, hi): those of a call that failed here.
-
-        What already arrived is dropped now; what arrives later is drained
-        without being kept (the most recent failed calls are remembered).
-        """
+        """Discard messages with context `ctx` and a tag in [lo, hi): those of a call that failed here."""
         with self._lock:
-            self._abandoned.append((ctx, lo, hi))
-            for key in [k for k in self._unexpected if k[1] == ctx and lo <= k[2] < hi]:
-                del self._unexpected[key]
+            self.matcher.abandon(ctx, lo, hi)
 
-    def _is_abandoned(self, ctx: int, tag: int) -> bool:
-        return any(c == ctx and lo <= tag < hi for c, lo, hi in self._abandoned)
-
-    def expects_from(self, peer: int) -> bool:
-        """Whether a receive from `peer` is posted and not yet matched."""
-        return self._posted_from[peer] > 0
+    def watch(self, ctx: int, watch: BlockWatch | None) -> None:
+        """Classify the messages of context `ctx` that no receive takes with `watch` (None: stop)."""
+        with self._lock:
+            self.matcher.watch(ctx, watch)
 
     # -- posting -------------------------------------------------------------
 
-    def isend(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None) -> SendWork:
-        """Start sending the bytes `data` to world rank `peer`; returns the SendWork."""
-        work = SendWork(self, peer, ctx, tag, data, user_buffer)
+    def isend(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None,
+              stamp: int = 0) -> SendWork:
+        """Start sending the bytes `data` to world rank `peer`, stamped `stamp`; returns the SendWork."""
+        work = SendWork(self, peer, ctx, tag, data, user_buffer, stamp)
         with self._lock:
             self._check_peer(peer)
             if peer == self.rank:
@@ -139,22 +120,17 @@ class Engine:
                 self.channels[peer].post(work)  # type: ignore[union-attr]
         return work
 
-    def irecv(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None) -> RecvWork:
-        """Post a receive of at most data.nbytes bytes from world rank `peer`."""
-        work = RecvWork(self, peer, ctx, tag, data, user_buffer)
-        key = (peer, ctx, tag)
+    def irecv(self, data: np.ndarray, peer: int, ctx: int, tag: int, user_buffer: Any = None,
+              stamp: int | None = None) -> RecvWork:
+        """Post a receive of at most data.nbytes bytes from world rank `peer` (of a message stamped `stamp`).
+
+        A message with another stamp fails the receive with MismatchError (stamp None: any is taken).
+        """
+        work = RecvWork(self, peer, ctx, tag, data, user_buffer, stamp=stamp)
         with self._lock:
-            early = self._unexpected.get(key)
-            if not early:
+            if not self.matcher.post(work):
                 self._check_peer(peer)  # what a lost peer sent before it went is still delivered
-            if early:
-                arrived = early.popleft()
-                if not early:
-                    del self._unexpected[key]
-                self._adopt(arrived, work)
-            else:
-                self._posted.setdefault(key, deque()).append(work)
-                self._posted_from[peer] += 1
+                self.matcher.queue(work)
         return work
 
     def _check_peer(self, peer: int) -> None:
@@ -166,7 +142,7 @@ class Engine:
 
     def _send_to_self(self, send: SendWork) -> None:
         """Deliver a message to this rank: copy it aside (eager), then match it."""
-        target = self.match(self.rank, send.ctx, send.tag, send.nbytes)
+        target = self.match(self.rank, send.ctx, send.tag, send.nbytes, send.stamp)
         assert target is not None  # self-messages are never deferred
         if target.data is not None:
             target.data[:send.nbytes] = send.data
@@ -175,76 +151,9 @@ class Engine:
         self.send_done(send)
         self._wake_own()
 
-    # -- called by channels (lock held) --------------------------------------
-
-    def match(self, peer: int, ctx: int, tag: int, nbytes: int) -> RecvWork | None:
-        """Find the receive for an arriving message, or say to leave it queued.
-
-        Returns:
-            The posted receive (oldest first); a private unexpected receive if
-            none is posted and the message is small, or must be drained to reach
-            others behind it; None to leave a large message in its channel.
-        """
-        key = (peer, ctx, tag)
-        posted = self._posted.get(key)
-        if posted:
-            work = posted.popleft()
-            if not posted:
-                del self._posted[key]
-            self._posted_from[peer] -= 1
-            work.nbytes = nbytes
-            if nbytes > work.capacity:
-                work.data = None  # discard the payload; fail once it has streamed past
-            return work
-        if self._abandoned and self._is_abandoned(ctx, tag):
-            sink = RecvWork(self, peer, ctx, tag, None, None, f"late message of a failed call (tag {tag})")
-            sink.nbytes = nbytes  # streamed past and dropped; nobody waits for it
-            return sink
-        if nbytes > self.settings.eager_limit and self._posted_from[peer] == 0 and peer != self.rank:
-            return None
-        early = RecvWork(self, peer, ctx, tag, np.empty(nbytes, dtype=np.uint8) if nbytes else _EMPTY, None,
-                         f"unexpected message from rank {peer} (tag {tag})")
-        early.nbytes = nbytes
-        self._unexpected.setdefault(key, deque()).append(early)
-        return early
-
-    def recv_done(self, work: RecvWork) -> None:
-        """A channel finished receiving `work`'s payload."""
-        if work.data is None and work.nbytes > 0:
-            work._fail(MessageSizeError(
-                f"{work.description}: the message has {work.nbytes} bytes but the receive buffer holds "
-                f"only {work.capacity}; the message was discarded"))
-        else:
-            work._finish(work.user_buffer)
-        if work.forward is not None:
-            self._deliver(work, work.forward)
-
     def send_done(self, work: SendWork) -> None:
         """A channel handed over the last byte of `work`."""
         work._finish(work.user_buffer)
-
-    def _adopt(self, arrived: RecvWork, work: RecvWork) -> None:
-        """Match a posted receive with a message that arrived before it."""
-        if arrived._done:
-            self._deliver(arrived, work)
-        else:
-            arrived.forward = work
-
-    @staticmethod
-    def _deliver(arrived: RecvWork, work: RecvWork) -> None:
-        """Copy an unexpected message into the receive that finally matched it."""
-        work.nbytes = arrived.nbytes
-        if arrived._error is not None:
-            work._fail(arrived._error)
-        elif arrived.nbytes > work.capacity:
-            work._fail(MessageSizeError(
-                f"{work.description}: the message has {arrived.nbytes} bytes but the receive buffer "
-                f"holds {work.capacity}; the message was discarded"))
-        else:
-            if arrived.nbytes:
-                work.data[:arrived.nbytes] = arrived.data  # type: ignore[index]
-            work.offset = arrived.nbytes
-            work._finish(work.user_buffer)
 
     # -- progress and waiting ------------------------------------------------
 
@@ -270,8 +179,11 @@ class Engine:
             moved = self._progress_channels()
         finally:
             self.in_progress -= 1
-        if self.in_progress == 0 and self.deferred:
-            self._run_deferred()
+        if self.in_progress == 0:
+            if self.deferred:
+                self._run_deferred()
+            if self.matcher.alarms:
+                self.matcher.run_alarms()
         return moved
 
     def _run_deferred(self) -> None:
@@ -415,17 +327,22 @@ class Engine:
             if channel is not None:
                 if channel in self._active:
                     self._active.remove(channel)
-                for pending in channel.pending_works():
-                    pending._fail(error)
-                channel.close()
-            # Failing a work runs callbacks that may cancel other receives: take everything out first.
-            posted = [work for key in [k for k in self._posted if k[0] == peer] for work in self._posted.pop(key)]
-            self._posted_from[peer] = 0
-            early = [work for key, queue in self._unexpected.items() if key[0] == peer for work in queue]
-            for work in posted + early:
-                if not work._done:
-                    work._fail(error)
+                self._shut(channel, error)
+            self._fail_all(self.matcher.take(peer), error)
             self._wake_own()
+
+    @staticmethod
+    def _shut(channel: Channel, error: BaseException) -> None:
+        for pending in channel.pending_works():
+            pending._fail(error)
+        channel.close()
+
+    @staticmethod
+    def _fail_all(works: list[RecvWork], error: BaseException) -> None:
+        """Fail `works`, taken out of the engine's queues first: failing runs callbacks that may cancel others."""
+        for work in works:
+            if not work._done:
+                work._fail(error)
 
     def close(self) -> None:
         """Close every channel; pending operations fail."""
@@ -435,19 +352,9 @@ class Engine:
             self.closed = True
             error = TcollError("the communicator was closed")
             for channel in self._active:
-                for pending in channel.pending_works():
-                    pending._fail(error)
-                channel.close()
+                self._shut(channel, error)
             self._active.clear()
-            # Failing a work runs callbacks that may cancel other receives: take everything out first.
-            posted = [work for queue in self._posted.values() for work in queue]
-            early = [work for queue in self._unexpected.values() for work in queue]
-            self._posted.clear()
-            self._unexpected.clear()
-            self._posted_from = [0] * self.size
-            for work in posted + early:
-                if not work._done:
-                    work._fail(error)
+            self._fail_all(self.matcher.take(None), error)
             self.channels = [None] * self.size
             self.doorbell.wake()  # threads blocked in wait() see the failures now
         for closer in self.closers:

@@ -148,9 +148,10 @@ class SendWork(Work):
     `header_sent`; the engine completes the work.
     """
 
-    __slots__ = ("peer", "ctx", "tag", "data", "nbytes", "offset", "header_sent", "user_buffer")
+    __slots__ = ("peer", "ctx", "tag", "data", "nbytes", "offset", "header_sent", "user_buffer", "stamp")
 
-    def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray, user_buffer: Any) -> None:
+    def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray, user_buffer: Any,
+                 stamp: int = 0) -> None:
         super().__init__(engine)
         self.peer = peer
         self.ctx = ctx
@@ -160,6 +161,7 @@ class SendWork(Work):
         self.offset = 0
         self.header_sent = False
         self.user_buffer = user_buffer
+        self.stamp = stamp  # what call the message belongs to (tcoll.algos.stamps); 0 for user messages
 
     @property
     def description(self) -> str:
@@ -177,12 +179,16 @@ class RecvWork(Work):
     `offset` counts the payload bytes received so far. An unexpected message
     (no receive posted yet) gets a RecvWork of its own with a private buffer;
     `forward` then names the user's receive it must be copied into.
+
+    `stamp` is the stamp the receive expects (None: any, as for user
+    messages); `seen` the stamp the message carried.
     """
 
-    __slots__ = ("peer", "ctx", "tag", "data", "capacity", "nbytes", "offset", "user_buffer", "forward")
+    __slots__ = ("peer", "ctx", "tag", "data", "capacity", "nbytes", "offset", "user_buffer", "forward", "stamp",
+                 "seen", "watch")
 
     def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray | None, user_buffer: Any,
-                 description: str = "") -> None:
+                 description: str = "", stamp: int | None = None) -> None:
         super().__init__(engine, description)
         self.peer = peer
         self.ctx = ctx
@@ -193,6 +199,9 @@ class RecvWork(Work):
         self.offset = 0
         self.user_buffer = user_buffer
         self.forward: RecvWork | None = None
+        self.stamp = stamp
+        self.seen = 0
+        self.watch: Any = None  # a notice's watcher: told once the payload is in
 
     @property
     def description(self) -> str:

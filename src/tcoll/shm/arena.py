@@ -25,7 +25,6 @@ point-to-point traffic, so a sleeping rank still moves its messages.
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
 import time
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
 from ..p2p.waiting import Doorbell, fence
 from ..segments import SHM_DIR, Segment, segment_name
@@ -40,12 +40,14 @@ from ..segments import SHM_DIR, Segment, segment_name
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "fingerprint", "agreed_slot", "create_segment",
-           "open_segment", "encode_address", "decode_address"]
+__all__ = ["Arena", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment",
+           "encode_address", "decode_address"]
 
 SETS = 2  # slot sets: step k uses set k % SETS
+_POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress per so many polls
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
-_DESC_WORDS = 8  # per rank and set: call fingerprint (2 words), zero-copy buffer (heap id, offset, nbytes)
+_DESC_WORDS = 8  # per rank and set: call stamp (2 words), sequence, zero-copy buffer (heap id, offset, nbytes)
+_WORD = (1 << 64) - 1
 ADDRESS_BYTES = 128  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>"
 _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 
@@ -88,6 +90,9 @@ class Arena:
         self._bells: list[Doorbell] = [bell for bell in bells if bell is not None]
         self._typed: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
         self.broken: BaseException | None = None
+        self.stamp, self.sequence, self.label = 0, 0, "collective"  # the call under way (see begin)
+        self.first = 0  # its first step
+        self.alarm: BaseException | None = None  # what the dispatcher learnt meanwhile: the wait raises it
 
     # -- setup --------------------------------------------------------------------
 
@@ -168,39 +173,58 @@ class Arena:
     # -- descriptors: what each rank's call is, and where its zero-copy buffer lies -----
     # A call's descriptors sit in set (its first step % 2), written only in a
     # claimed step: a rank that starts the next call cannot overwrite what a
-    # slower rank still checks for this one.
+    # slower rank still checks for this one. Every direct algorithm opens its
+    # call with `first_step` and, once its part of that step is published,
+    # `agree`: every rank waits for every rank's first step and compares the
+    # call stamps and sequence numbers, so that any disagreement is an error
+    # on every rank before any data is used.
 
-    def describe(self, step: int, fingerprint: tuple[int, int], heap_ref: tuple[int, int, int] | None = None) -> None:
-        """Write this rank's call fingerprint and zero-copy buffer, before publishing the call's first `step`."""
+    def begin(self, stamp: int, sequence: int, label: str) -> None:
+        """Set the call the next steps belong to (the dispatcher does, before the algorithm runs)."""
+        self.stamp, self.sequence, self.label, self.alarm = stamp, sequence, label, None
+
+    def first_step(self, heap_ref: tuple[int, int, int] | None = None) -> int:
+        """Claim the call's first step and describe the call (and this rank's zero-copy buffer) in it."""
+        step = self.claim()
+        self.first = step
         at = self._desc_at(step, self.rank)
         desc = self._desc
-        desc[at] = fingerprint[0]
-        desc[at + 1] = fingerprint[1]
+        desc[at] = self.stamp & _WORD
+        desc[at + 1] = self.stamp >> 64
+        desc[at + 2] = self.sequence
         if heap_ref is None:
-            desc[at + 2] = 0
+            desc[at + 3] = 0
         else:
-            desc[at + 2], desc[at + 3], desc[at + 4] = heap_ref
+            desc[at + 3], desc[at + 4], desc[at + 5] = heap_ref
+        return step
 
-    def check_peers(self, step: int, fingerprint: tuple[int, int], what: str,
-                    ranks: range | list[int] | None = None) -> None:
-        """Raise MismatchError if a rank (all, or `ranks`, already waited for) described another call."""
+    def agree(self, step: int) -> None:
+        """Wait until every rank published the call's first `step`; raise MismatchError if one described another."""
+        self.wait_all(step)
         desc = self._desc
         base = (step % SETS) * self.size * _DESC_WORDS
-        first, second = fingerprint
-        for q in range(self.size) if ranks is None else ranks:
+        low, high, sequence = self.stamp & _WORD, self.stamp >> 64, self.sequence
+        for q in range(self.size):
             at = base + q * _DESC_WORDS
-            if desc[at] != first or desc[at + 1] != second:
-                raise self._fail(MismatchError(
-                    f"{what}: rank {q} made a different call at the same point (another collective, "
-                    f"root, dtype or size) than rank {self.rank}"))
+            if desc[at] != low or desc[at + 1] != high or desc[at + 2] != sequence:
+                raise self._fail(self._mismatch(q, desc[at] | desc[at + 1] << 64, desc[at + 2]))
+
+    def _mismatch(self, rank: int, theirs: int, sequence: int) -> MismatchError:
+        what = f"{self.label} #{self.sequence} (shm)"
+        if sequence != self.sequence:
+            text = (f"rank {rank} is at its call #{sequence}, {describe(theirs)}, where rank {self.rank} is at "
+                    f"#{self.sequence}; a rank skipped a call, or failed one the others did not")
+        else:
+            text = disagreement(rank, theirs, self.rank, self.stamp)
+        return MismatchError(f"{what}: {text}", ranks=[rank], mine=self.stamp, theirs=theirs)
 
     def peer_buffer(self, step: int, rank: int) -> np.ndarray | None:
         """The zero-copy buffer (uint8) `rank` described for the call starting at `step`, or None."""
         at = self._desc_at(step, rank)
-        heap_id = self._desc[at + 2]
+        heap_id = self._desc[at + 3]
         if not heap_id or self.heap is None:
             return None
-        return self.heap.view(self._world[rank], heap_id, self._desc[at + 3], self._desc[at + 4])
+        return self.heap.view(self._world[rank], heap_id, self._desc[at + 4], self._desc[at + 5])
 
     def _desc_at(self, step: int, rank: int) -> int:
         return ((step % SETS) * self.size + rank) * _DESC_WORDS
@@ -247,15 +271,21 @@ class Arena:
         budget, polite = spin.budget_s, spin.yield_while_polling
         if rank is None:
             def ready() -> bool:
-                return min(counters) >= target
+                return min(counters) >= target or self.alarm is not None
         else:
             def ready() -> bool:
-                return counters[rank] >= target
+                return counters[rank] >= target or self.alarm is not None
+        polls = 0
         while time.monotonic() - start < budget:
             if ready():
                 spin.record(time.monotonic() - start, False)
+                if self.alarm is not None:
+                    raise self._fail(self.alarm)
                 return
-            if polite:
+            polls += 1
+            if polls % _POLLS_PER_PROGRESS == 0:
+                engine.poll()  # point-to-point too: a notice or late message about this call raises its alarm
+            elif polite:
                 os.sched_yield()
         deadline = start + self.timeout
         interval = engine.settings.liveness_interval
@@ -269,6 +299,8 @@ class Arena:
                 next_probe = now + interval
             engine.block_unless(ready, min(next_probe, deadline) - now)
         spin.record(time.monotonic() - start, True)
+        if self.alarm is not None:
+            raise self._fail(self.alarm)
 
     def _check_behind(self, target: int, rank: int | None, timed_out: bool) -> None:
         """Fail if a rank we wait for is gone (PeerLostError) or the wait timed out (TimeoutError)."""
@@ -278,23 +310,13 @@ class Arena:
         except PeerLostError as exc:
             raise self._fail(exc) from None
         if timed_out:
+            absent = [q for q in behind if self._counters[q] <= self.first]
+            late = [q for q in behind if q not in absent]
+            said = [f"rank(s) {absent} never entered it"] if absent else []
+            said += [f"rank(s) {late} entered it but lag behind"] if late else []
             raise self._fail(TimeoutError(
-                f"shared-memory collective (step {target - 1}) did not complete within {self.timeout:g} s; "
-                f"still waiting on rank(s) {behind}", behind))
-
-
-_CODES = {name: code for code, name in enumerate(("all_reduce", "reduce", "broadcast", "all_gather", "gather",
-                                                  "scatter", "reduce_scatter", "all_to_all", "barrier"), 1)}
-
-
-def fingerprint(collective: str, dtype: np.dtype, nbytes: int, root: int = 0) -> tuple[int, int]:
-    """Two words that differ when two ranks make different calls at the same point."""
-    return (_CODES[collective] | root << 8 | _dtype_code(dtype) << 32), nbytes
-
-
-@functools.lru_cache(maxsize=256)
-def _dtype_code(dtype: np.dtype) -> int:
-    return dtype.itemsize | ord(dtype.char) << 16
+                f"{self.label} #{self.sequence} (shm) did not complete within {self.timeout:g} s: "
+                f"{'; '.join(said)}", absent or behind))
 
 
 def _layout(size: int) -> tuple[int, int]:

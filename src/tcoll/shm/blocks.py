@@ -14,13 +14,14 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import displacements
 from ..ops import Op
-from .arena import Arena, fingerprint
+from .arena import Arena
 
 __all__: list[str] = []
 
 
 def _steps(counts: list[int], per_step: int) -> int:
-    return -(-max(counts, default=0) // max(per_step, 1))
+    """Steps to move blocks of `counts` bytes, `per_step` at a time: at least one, in which the ranks agree."""
+    return max(1, -(-max(counts, default=0) // max(per_step, 1)))
 
 
 def _share(arena: Arena, item: int = 1) -> int:
@@ -70,27 +71,24 @@ def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndar
     """
     size, me, item = arena.size, arena.rank, out.dtype.itemsize
     raw = out.view(np.uint8)
-    total = raw.nbytes
-    if size == 1 or total == 0:
+    if size == 1:
         if source is not None:
             out[...] = source.reshape(-1)
         return
     disp = [d * item for d in displacements(counts)]
     nbytes = [n * item for n in counts]
     own = raw[disp[me]:disp[me] + nbytes[me]] if source is None else source.reshape(-1).view(np.uint8)
-    fp = fingerprint("all_gather", out.dtype, total)
     piece = arena.slot_bytes  # bytes: blocks are only moved
     for index in range(_steps(nbytes, piece)):
         lo = index * piece
-        step = arena.claim()
+        step = arena.first_step() if index == 0 else arena.claim()
         mine = own[lo:lo + piece]
         arena.slot(me, step)[:mine.nbytes] = mine
-        if index == 0:
-            arena.describe(step, fp)
         arena.publish(step)
-        arena.wait_all(step)
         if index == 0:
-            arena.check_peers(step, fp, "all_gather")
+            arena.agree(step)
+        else:
+            arena.wait_all(step)
         for q in range(size):
             hi = min(nbytes[q], lo + piece)
             if hi > lo and (q != me or source is not None):
@@ -107,31 +105,29 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
     size, me, item = arena.size, arena.rank, send.dtype.itemsize
     nbytes = [n * item for n in counts]
     total = sum(nbytes)
-    if size == 1 or total == 0:
+    if size == 1:
         return
     own = send.view(np.uint8)
-    fp = fingerprint("gather", send.dtype, total, root)
     piece = arena.slot_bytes  # bytes: blocks are only moved
     steps = _steps(nbytes, piece)
     if me != root:
         ref = arena.lend(own, total)
         for index in range(steps):  # a lender takes every step too: step numbers stay equal on all ranks
             lo = index * piece
-            step = arena.claim()
+            step = arena.first_step(ref) if index == 0 else arena.claim()
             if ref is None:
                 arena.slot(me, step)[:max(0, min(nbytes[me], lo + piece) - lo)] = own[lo:lo + piece]
-            if index == 0:
-                arena.describe(step, fp, ref)
             arena.publish(step)
+            if index == 0:
+                arena.agree(step)
         arena.finish_lending(total, ref is not None)
         return
     assert out is not None
-    _gather_root(arena, out.view(np.uint8), nbytes, piece, steps, fp)
+    _gather_root(arena, out.view(np.uint8), nbytes, piece, steps)
     arena.finish_lending(total, False)
 
 
-def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, steps: int,
-                 fp: tuple[int, int]) -> None:
+def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, steps: int) -> None:
     """Root of the shm gather: copy every other rank's pieces (or lent blocks) into `raw`."""
     size, me = arena.size, arena.rank
     disp = displacements(nbytes)
@@ -139,11 +135,10 @@ def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, s
     sources: list[np.ndarray | None] = []
     for index in range(steps):
         lo = index * piece
-        step = arena.skip()
+        step = arena.first_step() if index == 0 else arena.skip()
         arena.publish(step)  # done with the step before: its writers may reuse their slots
         if index == 0:
-            arena.wait_all(step)
-            arena.check_peers(step, fp, "gather", others)
+            arena.agree(step)
             sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
         else:
             for q in others:
@@ -171,9 +166,8 @@ def scatter(arena: Arena, send: np.ndarray | None, out: np.ndarray, counts: list
     size, me, item = arena.size, arena.rank, out.dtype.itemsize
     nbytes = [n * item for n in counts]
     total = sum(nbytes)
-    if size == 1 or total == 0:
+    if size == 1:
         return
-    fp = fingerprint("scatter", out.dtype, total, root)
     share = _share(arena)
     disp = displacements(nbytes)
     if me == root:
@@ -182,33 +176,36 @@ def scatter(arena: Arena, send: np.ndarray | None, out: np.ndarray, counts: list
         ref = arena.lend(raw, total)
         for index in range(1 if ref is not None else _steps(nbytes, share)):
             lo = index * share
-            step = arena.claim()
+            step = arena.first_step(ref) if index == 0 else arena.claim()
             if ref is None:
                 _write_shares(arena.slot(me, step), raw, nbytes, disp, lo, share, skip=me)
-            if index == 0:
-                arena.describe(step, fp, ref)
             arena.publish(step)
+            if index == 0:
+                arena.agree(step)
         arena.finish_lending(total, ref is not None)
         return
-    _scatter_receive(arena, out.view(np.uint8), nbytes, disp, share, root, fp)
+    _scatter_receive(arena, out.view(np.uint8), nbytes, disp, share, root)
     arena.finish_lending(total, False)
 
 
-def _scatter_receive(arena: Arena, raw: np.ndarray, nbytes: list[int], disp: list[int], share: int, root: int,
-                     fp: tuple[int, int]) -> None:
+def _scatter_receive(arena: Arena, raw: np.ndarray, nbytes: list[int], disp: list[int], share: int,
+                     root: int) -> None:
     """Not root: copy this rank's block out of root's slot step by step, or out of root's lent buffer."""
     me = arena.rank
     for index in range(_steps(nbytes, share)):
         lo = index * share
-        step = arena.skip()
-        arena.publish(step)
-        arena.wait_rank(root, step)
         if index == 0:
-            arena.check_peers(step, fp, "scatter", [root])
+            step = arena.first_step()
+            arena.publish(step)
+            arena.agree(step)
             source = arena.peer_buffer(step, root)
             if source is not None:
                 raw[:] = source[disp[me]:disp[me] + nbytes[me]]
                 return
+        else:
+            step = arena.skip()
+            arena.publish(step)
+            arena.wait_rank(root, step)
         hi = min(nbytes[me], lo + share)
         if hi > lo:
             raw[lo:hi] = arena.slot(root, step)[me * share:me * share + hi - lo]
@@ -230,26 +227,22 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
     if size == 1:
         out[...] = send[:counts[0]]
         return
-    if total == 0:
-        return
     raw = send.view(np.uint8)
     ref = arena.lend(raw, total)
-    fp = fingerprint("reduce_scatter", dtype, total)
     share = _share(arena, item)
     disp = displacements(nbytes)
     out_raw = out.view(np.uint8)
     sources: list[np.ndarray | None] = []
     for index in range(_steps(nbytes, share)):
         lo = index * share
-        step = arena.claim()
+        step = arena.first_step(ref) if index == 0 else arena.claim()
         if ref is None:
             _write_shares(arena.slot(me, step), raw, nbytes, disp, lo, share)
-        if index == 0:
-            arena.describe(step, fp, ref)
         arena.publish(step)
-        arena.wait_all(step)
-        if index == 0:
-            arena.check_peers(step, fp, "reduce_scatter")
+        if index != 0:
+            arena.wait_all(step)
+        else:
+            arena.agree(step)
             sources = [raw if (q == me and ref is not None) else (None if q == me else arena.peer_buffer(step, q))
                        for q in range(size)]
         hi = min(nbytes[me], lo + share)
@@ -273,28 +266,26 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
     size, me, item = arena.size, arena.rank, send.dtype.itemsize
     block = send_counts[0] * item
     total = block * size
-    if size == 1 or total == 0:
+    if size == 1:
         return
     raw, out_raw = send.view(np.uint8), out.view(np.uint8)
     ref = arena.lend(raw, total)
-    fp = fingerprint("all_to_all", send.dtype, total)
     share = _share(arena)
     sources: list[np.ndarray | None] = []
     for index in range(_steps([block], share)):
         lo = index * share
         hi = min(block, lo + share)
-        step = arena.claim()
+        step = arena.first_step(ref) if index == 0 else arena.claim()
         if ref is None:
             slot = arena.slot(me, step)
             for q in range(size):
                 if q != me:
                     slot[q * share:q * share + hi - lo] = raw[q * block + lo:q * block + hi]
-        if index == 0:
-            arena.describe(step, fp, ref)
         arena.publish(step)
-        arena.wait_all(step)
-        if index == 0:
-            arena.check_peers(step, fp, "all_to_all")
+        if index != 0:
+            arena.wait_all(step)
+        else:
+            arena.agree(step)
             sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
         for q in range(size):
             if q == me:

@@ -26,7 +26,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
-from .arena import Arena, fingerprint
+from .arena import Arena
 
 __all__ = ["SMALL_BYTES", "all_reduce", "reduce", "broadcast", "barrier"]
 
@@ -65,36 +65,33 @@ def reduce(arena: Arena, buf: np.ndarray, op: Op, root: int) -> None:
     """Shared-memory reduce: as the shm all_reduce, but only root copies the result out.
 
     Steps: as the shm all_reduce; the ranks other than root go on as soon as
-    their share of the reduction is published.
+    their share of the reduction is published (after the first step, in which
+    every rank checks that every rank makes the same call).
     """
     _reduce_direct(arena, buf, op, root, "reduce")
 
 
 def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None, what: str) -> None:
-    if arena.size == 1 or buf.size == 0:
+    if arena.size == 1:
         return
-    fp = fingerprint(what, buf.dtype, buf.nbytes, root or 0)
     if buf.nbytes <= min(SMALL_BYTES, arena.slot_bytes):
-        _reduce_small(arena, buf, op, root, fp, what)
+        _reduce_small(arena, buf, op, root)
     else:
-        _reduce_large(arena, buf, op, root, fp, what)
+        _reduce_large(arena, buf, op, root)
 
 
-def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: tuple[int, int], what: str) -> None:
+def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
     """One step: every rank writes its vector; each rank that wants the result reduces all slots."""
-    step = arena.claim()
+    step = arena.first_step()
     slots = arena.typed_slots(step, buf.dtype, buf.nbytes)
     slots[arena.rank][...] = buf
-    arena.describe(step, fp)
     arena.publish(step)
-    if root is not None and arena.rank != root:
-        return
-    arena.wait_all(step)
-    arena.check_peers(step, fp, what)
-    op.combine_all(slots, buf)
+    arena.agree(step)
+    if root is None or arena.rank == root:
+        op.combine_all(slots, buf)
 
 
-def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: tuple[int, int], what: str) -> None:
+def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
     """Per slot-sized piece: write, publish, reduce my 1/p into the shared result, publish, copy out."""
     size, me, dtype = arena.size, arena.rank, buf.dtype
     raw = _raw(buf)
@@ -105,17 +102,16 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None, fp: t
     wants_result = root is None or me == root
     for lo in range(0, total, piece):
         hi = min(total, lo + piece)
-        step = arena.claim()
+        step = arena.first_step(ref) if lo == 0 else arena.claim()
         if ref is None:
             arena.slot(me, step)[:hi - lo] = raw[lo:hi]
-        if lo == 0:
-            arena.describe(step, fp, ref)
         arena.publish(step)
-        arena.wait_all(step)
         if lo == 0:
-            arena.check_peers(step, fp, what)
+            arena.agree(step)
             sources = [(raw if ref is not None else None) if q == me else arena.peer_buffer(step, q)
                        for q in range(size)]
+        else:
+            arena.wait_all(step)
         first, last = part_bounds((hi - lo) // dtype.itemsize, size, me)
         a, b = first * dtype.itemsize, last * dtype.itemsize
         parts = [(arena.slot(q, step)[a:b] if src is None else src[lo + a:lo + b]).view(dtype)
@@ -142,28 +138,25 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
     """Shared-memory broadcast: root writes each piece once, every other rank copies it out.
 
     Steps: per slot-sized piece, root writes it into its slot and publishes;
-    the others wait for root and copy it. With root's buffer in shared
-    memory, the others copy straight from it (one copy in all).
+    the others wait for root and copy it. The first step is every rank's: all
+    check that all make the same call. With root's buffer in shared memory,
+    the others copy straight from it (one copy in all).
     """
     size, me = arena.size, arena.rank
-    if size == 1 or buf.size == 0:
+    if size == 1:
         return
     raw = _raw(buf)
     total = raw.nbytes
-    fp = fingerprint("broadcast", buf.dtype, total, root)
     ref = arena.lend(raw, total) if me == root else None
+    step = arena.first_step(ref)
+    if me == root and ref is None:
+        arena.slot(me, step)[:min(total, arena.slot_bytes)] = raw[:arena.slot_bytes]
+    arena.publish(step)
+    arena.agree(step)
     if me == root:
-        step = arena.claim()
-        arena.describe(step, fp, ref)
         if ref is None:
-            _broadcast_root_pieces(arena, raw, step)
-        else:
-            arena.publish(step)
+            _broadcast_root_pieces(arena, raw)
     else:
-        step = arena.skip()
-        arena.publish(step)
-        arena.wait_rank(root, step)
-        arena.check_peers(step, fp, "broadcast", [root])
         source = arena.peer_buffer(step, root)
         if source is None:
             _broadcast_copy_pieces(arena, raw, step, root)
@@ -172,14 +165,12 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
     arena.finish_lending(total, ref is not None)
 
 
-def _broadcast_root_pieces(arena: Arena, raw: np.ndarray, step: int) -> None:
-    """Root: write each piece into its slot and publish it (the first step is already claimed)."""
+def _broadcast_root_pieces(arena: Arena, raw: np.ndarray) -> None:
+    """Root: write each piece after the first into its slot and publish it."""
     piece = arena.slot_bytes
-    for lo in range(0, raw.nbytes, piece):
-        hi = min(raw.nbytes, lo + piece)
-        if lo:
-            step = arena.claim()
-        arena.slot(arena.rank, step)[:hi - lo] = raw[lo:hi]
+    for lo in range(piece, raw.nbytes, piece):
+        step = arena.claim()
+        arena.slot(arena.rank, step)[:min(raw.nbytes, lo + piece) - lo] = raw[lo:lo + piece]
         arena.publish(step)
 
 
@@ -209,10 +200,7 @@ def barrier(arena: Arena) -> None:
     counters reach the step; a sleeping rank is woken by the last arrival.
     """
     if arena.size > 1:
-        step = arena.claim()  # a rank describes a call only in a claimed step (see tcoll.shm.arena)
-        fp = fingerprint("barrier", np.dtype(np.uint8), 0)
-        arena.describe(step, fp)
+        step = arena.first_step()
         arena.publish(step)
-        arena.wait_all(step)
-        arena.check_peers(step, fp, "barrier")
+        arena.agree(step)
 

@@ -95,7 +95,7 @@ class LoopbackChannel(Channel):
     def __init__(self, engine: Any, peer: int, peer_engine: Any, inbox: deque[Any], outbox: deque[Any]) -> None:
         super().__init__(engine, peer)
         self._peer_engine = peer_engine
-        self._inbox: deque[tuple[int, int, Any, SendWork | None]] = inbox  # filled by the peer
+        self._inbox: deque[tuple[int, int, int, Any, SendWork | None]] = inbox  # filled by the peer
         self._outbox = outbox  # the peer's inbox
         self._in_flight: deque[SendWork] = deque()  # our large sends, until the peer copied them
         self._closed = False
@@ -107,11 +107,11 @@ class LoopbackChannel(Channel):
     def post(self, send: SendWork) -> None:
         self._check_peer()
         if send.nbytes <= self.engine.settings.eager_limit:
-            self._outbox.append((send.ctx, send.tag, send.data.copy(), None))
+            self._outbox.append((send.ctx, send.tag, send.stamp, send.data.copy(), None))
             self.engine.send_done(send)
         else:
             self._in_flight.append(send)
-            self._outbox.append((send.ctx, send.tag, send.data, send))
+            self._outbox.append((send.ctx, send.tag, send.stamp, send.data, send))
         self._peer_engine.doorbell.ring()
 
     def progress(self) -> bool:
@@ -123,8 +123,8 @@ class LoopbackChannel(Channel):
             moved = True
         inbox = self._inbox
         while inbox:
-            ctx, tag, data, send = inbox[0]
-            recv = self.engine.match(self.peer, ctx, tag, data.nbytes)
+            ctx, tag, stamp, data, send = inbox[0]
+            recv = self.engine.match(self.peer, ctx, tag, data.nbytes, stamp)
             if recv is None:
                 break
             inbox.popleft()

@@ -4,7 +4,7 @@ Each rank owns one segment in /dev/shm that holds its doorbell and one ring
 per local peer: the *inbound* ring that peer writes into. A ring is a byte
 stream with two counters on separate cache lines: `head` (bytes written, only
 the writer stores it) and `tail` (bytes read, only the reader stores it), so
-no atomic read-modify-write is needed. A message is a 32-byte header followed
+no atomic read-modify-write is needed. A message is a 40-byte header followed
 by its payload; a large payload flows through the ring in chunks, so the
 writer copies chunk k+1 in while the reader copies chunk k out (pipelining),
 and what the reader reads was written moments ago and is still in cache.
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PeerLostError, TransportError
-from ..p2p.channel import HEADER, MAGIC, Channel, unpack_header
+from ..p2p.channel import HEADER, MAGIC, Channel, pack_header, unpack_header
 from ..p2p.waiting import FUTEX_AVAILABLE, Doorbell
 from ..p2p.work import RecvWork, SendWork, Work
 from ..segments import SHM_DIR, Segment, segment_name
@@ -49,6 +49,7 @@ _RING_CTL = 128  # head on the first cache line, tail on the second
 _HEAD, _TAIL = 0, 8  # indexes into the control words, viewed as uint64
 _SMALL = 4096  # copies below this go through memoryview (less overhead than NumPy)
 _TOTAL_BUDGET = 256 << 20  # default bytes of rings per host, split among the pairs
+_WORD = (1 << 64) - 1
 _HINT = "a smaller TCOLL_SHM_RING, a larger /dev/shm, or TCOLL_TRANSPORT=tcp may help"
 
 
@@ -199,7 +200,7 @@ class ShmChannel(Channel):
         self._sends: deque[SendWork] = deque()
         self._head = 0  # bytes written to the outbound ring (we are its only writer)
         self._tail = 0  # bytes read from the inbound ring (we are its only reader)
-        self._header: tuple[int, int, int] | None = None  # a header whose receive is not posted yet
+        self._header: tuple[int, int, int, int] | None = None  # a header whose receive is not posted yet
         self._recv: RecvWork | None = None
         self._pid = int(peer_card.get("pid", 0))
         self._start_time = peer_card.get("start_time")
@@ -228,10 +229,11 @@ class ShmChannel(Channel):
                 break
             if not send.header_sent:
                 at = head % size
+                stamp = send.stamp
                 if at + HEADER.size <= size:
-                    HEADER.pack_into(ring.mv, at, MAGIC, send.ctx, send.tag, send.nbytes, 0)
+                    HEADER.pack_into(ring.mv, at, MAGIC, send.ctx, send.tag, send.nbytes, stamp & _WORD, stamp >> 64)
                 else:
-                    _write(ring, head, HEADER.pack(MAGIC, send.ctx, send.tag, send.nbytes, 0))
+                    _write(ring, head, pack_header(send.ctx, send.tag, send.nbytes, stamp))
                 head += HEADER.size
                 free -= HEADER.size
                 send.header_sent = True
@@ -265,11 +267,11 @@ class ShmChannel(Channel):
                 if self._header is None:
                     if head - tail < HEADER.size:
                         break
-                    self._header = unpack_header(_read_header(ring, tail), self.peer)[:3]
+                    self._header = unpack_header(_read_header(ring, tail), self.peer)
                     tail += HEADER.size
                     moved = True
-                ctx, tag, nbytes = self._header
-                recv = self.engine.match(self.peer, ctx, tag, nbytes)
+                ctx, tag, nbytes, stamp = self._header
+                recv = self.engine.match(self.peer, ctx, tag, nbytes, stamp)
                 if recv is None:
                     break  # a large message nobody asked for yet: leave it in the ring
                 self._header = None

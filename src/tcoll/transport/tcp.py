@@ -72,7 +72,7 @@ class TcpChannel(Channel):
         self._hdr_in = bytearray(_HDR)  # reused for every arriving header
         self._hdr_view = memoryview(self._hdr_in)
         self._hdr_got = 0
-        self._pending: tuple[int, int, int] | None = None  # a decoded header awaiting its receive
+        self._pending: tuple[int, int, int, int] | None = None  # a decoded header awaiting its receive
         self._target: RecvWork | None = None
         self._view: memoryview | None = None  # the target's buffer; None: discard the payload
         self._scratch: memoryview | None = None
@@ -162,7 +162,7 @@ class TcpChannel(Channel):
                     sent = self._send(send.data.data[send.offset:send.offset + offered], _NOSIGNAL)
                     send.offset += sent
                 else:
-                    head = self._hdr_out or pack_header(send.ctx, send.tag, nbytes)
+                    head = self._hdr_out or pack_header(send.ctx, send.tag, nbytes, send.stamp)
                     offered = min(nbytes, _CHUNK)
                     if nbytes:
                         sent = self._sendmsg([head, send.data.data[:offered]], (), _NOSIGNAL)
@@ -235,22 +235,22 @@ class TcpChannel(Channel):
         except OSError as exc:
             raise self._lost_error(exc) from None
 
-    def _decode(self) -> tuple[int, int, int]:
-        """Decode the arrived header into (ctx, tag, nbytes).
+    def _decode(self) -> tuple[int, int, int, int]:
+        """Decode the arrived header into (ctx, tag, nbytes, stamp).
 
         Raises:
             PeerLostError: not a tcoll header; the stream is out of step and the connection unusable.
         """
         try:
-            return unpack_header(self._hdr_view, self.peer)[:3]
+            return unpack_header(self._hdr_view, self.peer)
         except TransportError as exc:
             self._lost = PeerLostError(self.peer, str(exc))
             raise self._lost from None
 
     def _begin(self) -> bool:
         """Ask the engine for the receive of the decoded header; False leaves the message waiting."""
-        ctx, tag, nbytes = self._pending  # type: ignore[misc]
-        target = self.engine.match(self.peer, ctx, tag, nbytes)
+        ctx, tag, nbytes, stamp = self._pending  # type: ignore[misc]
+        target = self.engine.match(self.peer, ctx, tag, nbytes, stamp)
         if target is None:
             return False
         self._pending = None

@@ -1,0 +1,184 @@
+"""Call stamps: what a collective call is, in 128 bits that every message and arena descriptor of the call carries.
+
+Ranks that make the same call compute the same stamp; ranks that disagree
+(another collective, op, dtype, element count, root or algorithm) compute
+different ones, and a receiver that compares the stamp of an arriving
+message with its own sees the disagreement at the first message, with no
+message of its own. A stamp is decodable, so the error can say what each
+side called:
+
+    low word   bits  0- 5  the user's call (all_reduce, all_gatherv, scan, ...)
+               bits  6- 9  the collective of this step (a program's steps differ)
+               bits 10-15  the reduce op (0: none)
+               bits 16-23  the dtype (0: none)
+               bits 24-31  the algorithm (its index in the registry, plus 1)
+               bits 32-61  the root (0 for calls without one)
+               bit  63     NOTICE: a control message about the call (see tcoll.comm.dispatch)
+    high word              the element count of this rank's part (0: not compared)
+
+The sequence number of the call is not in the stamp: it is in every
+message's tag, and in the arena's descriptors next to the stamp.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import ml_dtypes
+import numpy as np
+
+from ..ops import OPS, Op
+from .registry import COLLECTIVES, REGISTRY
+
+__all__ = ["LABELS", "NOTICE", "MASK", "stamp", "describe", "differences"]
+
+# The calls a user makes (append only: codes are positions).
+LABELS = (
+    "", "all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all",
+    "barrier", "all_gatherv", "gatherv", "scatterv", "all_to_allv", "reduce_scatterv", "broadcast_object",
+    "all_gather_object", "gather_object", "scatter_object", "split", "scan", "exscan", "scan_object",
+    "exscan_object", "all_to_all_object", "call",
+)
+_LABEL = {name: code for code, name in enumerate(LABELS)}
+_COLLECTIVE = {name: code for code, name in enumerate(("", *COLLECTIVES))}
+_OP_NAMES = ("", *OPS)  # built-in ops; a user op is 32 + a hash of its name
+_DTYPES = (None, np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+           np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex64, np.complex128, np.longdouble,
+           np.clongdouble)
+_DTYPE = {np.dtype(t): code for code, t in enumerate(_DTYPES) if t is not None}
+_OTHER_DTYPE, _SWAPPED, _LOC = 255, 64, 128
+
+NOTICE = 1 << 63
+MASK = (1 << 64) - 1
+_ROOT_BITS = 30
+
+
+def stamp(label: str, collective: str, op: Op | None, dtype: np.dtype | None, count: int, root: int,
+          algorithm: str | None) -> int:
+    """The stamp of one call (or one step of a program), as one 128-bit integer (low | high << 64)."""
+    low = (_LABEL.get(label, _LABEL["call"]) | _COLLECTIVE.get(collective, 0) << 6 | _op_code(op) << 10
+           | _dtype_code(dtype) << 16 | _algorithm_code(collective, algorithm) << 24
+           | (root & ((1 << _ROOT_BITS) - 1)) << 32)
+    return low | (count & MASK) << 64
+
+
+def _op_code(op: Op | None) -> int:
+    if op is None:
+        return 0
+    if OPS.get(op.name) is op:
+        return _OP_NAMES.index(op.name)
+    return 32 + zlib.crc32(op.name.encode()) % 32  # user ops with different names differ (almost always)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_code(dtype: np.dtype | None) -> int:
+    if dtype is None:
+        return 0
+    if dtype.names == ("value", "index"):  # maxloc / minloc pairs: the value's type
+        return _LOC | (_dtype_code(dtype["value"]) & 63)
+    code = _DTYPE.get(dtype.newbyteorder("=") if dtype.byteorder == ">" else dtype)
+    if code is None:
+        return _OTHER_DTYPE
+    return code | (_SWAPPED if dtype.byteorder == ">" else 0)
+
+
+@functools.lru_cache(maxsize=512)
+def _algorithm_code(collective: str, algorithm: str | None) -> int:
+    if not algorithm or collective not in REGISTRY:
+        return 0
+    names = list(REGISTRY[collective])
+    return names.index(algorithm) + 1 if algorithm in names else 255
+
+
+# -- reading a stamp back ------------------------------------------------------------------------
+
+
+def _fields(value: int) -> dict[str, object]:
+    low, count = value & MASK, value >> 64
+    collective = _name(("", *COLLECTIVES), low >> 6 & 15)
+    fields: dict[str, object] = {
+        "call": _name(LABELS, low & 63) or "a collective",
+        "collective": collective,
+        "op": _op_name(low >> 10 & 63),
+        "dtype": _dtype_name(low >> 16 & 255),
+        "algorithm": _algorithm_name(collective, low >> 24 & 255),
+        "root": low >> 32 & ((1 << _ROOT_BITS) - 1),
+        "count": count,
+    }
+    return fields
+
+
+def _name(names: tuple[str, ...], code: int) -> str:
+    return names[code] if code < len(names) else f"#{code}"
+
+
+def _op_name(code: int) -> str:
+    if code >= 32:
+        return "a user op"
+    return _name(_OP_NAMES, code)
+
+
+def _dtype_name(code: int) -> str:
+    if code == 0:
+        return ""
+    if code == _OTHER_DTYPE:
+        return "another dtype"
+    if code & _LOC:
+        return f"({_dtype_name(code & 63)}, int64) pairs"
+    base = _DTYPES[code & 63] if (code & 63) < len(_DTYPES) else None
+    name = "?" if base is None else np.dtype(base).name
+    return f"big-endian {name}" if code & _SWAPPED else name
+
+
+def _algorithm_name(collective: str, code: int) -> str:
+    if code == 0 or collective not in REGISTRY:
+        return ""
+    names = list(REGISTRY[collective])
+    return names[code - 1] if code - 1 < len(names) else "an unknown algorithm"
+
+
+def describe(value: int, keys: tuple[str, ...] | None = None) -> str:
+    """A stamp as the call it stands for, e.g. "all_reduce(op=max, float32, 4 elements)".
+
+    Args:
+        value: the stamp.
+        keys: which fields to show (default: those that are set).
+    """
+    fields = _fields(value)
+    shown = keys or ("op", "root", "dtype", "count", "algorithm")
+    parts = []
+    for key in shown:
+        item = fields[key]
+        if key == "op" and item:
+            parts.append(f"op={item}")
+        elif key == "root" and (item or "root" in (keys or ())) and fields["call"] in _ROOTED:
+            parts.append(f"root={item}")
+        elif key == "dtype" and item:
+            parts.append(str(item))
+        elif key == "count" and (item or keys):
+            parts.append(f"{item} element{'s' if item != 1 else ''}")
+        elif key == "algorithm" and item:
+            parts.append(f"algorithm {item}")
+    return f"{fields['call']}({', '.join(parts)})"
+
+
+_ROOTED = {"reduce", "broadcast", "gather", "scatter", "gatherv", "scatterv", "broadcast_object", "gather_object",
+           "scatter_object"}
+
+
+def differences(mine: int, theirs: int) -> tuple[str, ...]:
+    """The fields in which two stamps differ (to show just those in an error)."""
+    a, b = _fields(mine), _fields(theirs)
+    if a["call"] != b["call"]:
+        return ("op", "root", "dtype", "count")
+    return tuple(key for key in ("op", "root", "dtype", "count", "algorithm") if a[key] != b[key]) or ("count",)
+
+
+def disagreement(their_rank: int, theirs: int, my_rank: int, mine: int) -> str:
+    """One sentence on how two ranks' calls differ, showing the fields that differ.
+
+    Example: "rank 3 called all_reduce(op=max) where rank 0 called all_reduce(op=sum)".
+    """
+    keys = differences(mine, theirs)
+    return f"rank {their_rank} called {describe(theirs, keys)} where rank {my_rank} called {describe(mine, keys)}"

@@ -1,0 +1,298 @@
+"""Making sure the ranks of a communicator make the same calls: stamps checked, failures told, nothing shifted.
+
+Every collective call takes the next sequence number on every rank and has
+a stamp (tcoll.algos.stamps) that every message and arena descriptor of the
+call carries. The receivers compare stamps (the engine, the arena); what no
+receive takes is classified by the engine against the calls this rank runs
+(tcoll.p2p.watch) and reported here as an alarm. A disagreement, or any
+failure of a call on one rank, ends the call on every rank:
+
+- the rank where it happened sends every other rank a *notice* for the call
+  (a small message on the call's own tags: no message on the way when all
+  is well);
+- a rank still in the call fails it at once (MismatchError, or
+  PeerFailedError naming the rank whose part failed);
+- a rank that has not started it yet fails it as it starts;
+- a rank that already finished it (its part only sent, say) learns it from
+  the notice or from the late message itself, and its next call raises.
+
+A call that fails its argument checks on one rank still takes its sequence
+number there, and its notice tells the others, so that no later call ever
+pairs with another rank's different call.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..algos.stamps import NOTICE, describe, disagreement
+from ..errors import MismatchError, PeerFailedError, PeerLostError, TcollError, is_known_to_peers, known_to_peers
+from ..p2p.watch import BLOCK_BITS, NOTICE_TAG, BlockWatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..p2p.engine import Engine
+
+__all__ = ["Agreement", "Running"]
+
+_FAILED, _MISMATCH, _LOST = b"F", b"M", b"L"  # a notice's first byte: what happened to the call at its sender
+_TEXT_BYTES = 4000  # a notice's text is cut to this
+ARENA_TAGS = 48  # the tags of a block from which on the dispatcher opens an arena (phases 6 and 7)
+_CAUSE = struct.Struct("<q")  # after the kind byte: the sequence number of the call the trouble began with
+
+
+class Running:
+    """A call under way on this rank, as the engine's watch and the alarms see it.
+
+    Attributes:
+        sequence: its sequence number.
+        label: the user's name for it ("all_reduce").
+        stamp: what it is (tcoll.algos.stamps).
+        quiet: this rank's part takes no point-to-point message (it runs on the arena).
+        work: the CollectiveWork of its current team step, if any (an alarm aborts it).
+        told: an error that came from another rank's notice (so it is not told back).
+    """
+
+    __slots__ = ("sequence", "label", "stamp", "quiet", "work", "told", "alarmed")
+
+    def __init__(self, sequence: int, label: str, stamp: int, quiet: bool) -> None:
+        self.sequence, self.label, self.stamp, self.quiet = sequence, label, stamp, quiet
+        self.work: Any = None
+        self.told: BaseException | None = None
+        self.alarmed: BaseException | None = None  # an alarm about it, in case it finishes all the same
+
+
+class Agreement:
+    """One communicator's view of which calls its ranks agree on (see the module docstring).
+
+    Args:
+        engine: the rank's engine.
+        world: the world rank of each rank of the communicator.
+        ctx: the engine context of the communicator's collectives.
+        on_alarm: called with an error for a call that runs on the arena (the arena's waits raise it).
+        on_trouble: called whenever ranks learn of a failed call (told or telling): the steps of the
+            arena may no longer agree.
+    """
+
+    def __init__(self, engine: Engine, world: list[int], ctx: int, on_alarm: Callable[[BaseException], None],
+                 on_trouble: Callable[[], None]) -> None:
+        self.engine, self.world, self.ctx = engine, world, ctx
+        self.rank = world.index(engine.rank)
+        self._ranks = {w: r for r, w in enumerate(world)}
+        self._on_alarm = on_alarm
+        self._on_trouble = on_trouble
+        self.watch = BlockWatch(self._alarm)
+        self._ahead: dict[int, tuple[str, int, int, int, bytes]] = {}  # notices for calls not started here
+        self.poison: BaseException | None = None  # a finished call turned out to disagree: the next call raises
+        self._stamps: dict[int, tuple[str, int]] = {}  # recent finished calls: sequence -> (label, stamp)
+        self._look_first = False  # the last call only sent: look for what came back before the next one
+        self._causes: deque[int] = deque(maxlen=256)  # the calls whose trouble was raised here already
+        engine.watch(ctx, self.watch)
+
+    # -- a call's life ---------------------------------------------------------------
+
+    def begin(self, sequence: int, label: str, stamp: int, quiet: bool) -> Running:
+        """Register call `sequence` as under way; raise if it is already known to fail.
+
+        Raises:
+            MismatchError, PeerFailedError: a message or notice for it came before it started, or an
+                earlier call turned out to disagree.
+        """
+        watch = self.watch
+        if self._look_first:
+            self._look_first = False
+            self.engine.poll()  # late messages of the call before raise their alarms now
+        watch.high = max(watch.high, sequence)
+        running = Running(sequence, label, stamp, quiet)
+        watch.calls[sequence] = running
+        ahead = self._ahead.pop(sequence, None) if self._ahead else None
+        error = None if ahead is None else self._error(*ahead, running)
+        if error is not None:  # a notice came before the call: its sender told every rank
+            watch.calls.pop(sequence, None)
+            raise self._raised(known_to_peers(error), sequence)
+        if self.poison is not None:
+            error, self.poison = self.poison, None
+        elif watch.early:
+            error = self._early_mismatch(running, watch.early.pop(sequence, ()))
+        if error is not None:
+            watch.calls.pop(sequence, None)  # it never starts: the caller tells the others
+            raise self._raised(error, sequence)
+        return running
+
+    def _raised(self, error: BaseException, sequence: int) -> BaseException:
+        """Note that `error` reaches the user here: later evidence of the same trouble is not raised again."""
+        cause = getattr(error, "tcoll_cause", sequence)
+        if cause not in self._causes:
+            self._causes.append(cause)
+        if self.poison is not None and getattr(self.poison, "tcoll_cause", None) in self._causes:
+            self.poison = None
+        return error
+
+    def _early_mismatch(self, running: Running, arrivals: Any) -> BaseException | None:
+        for peer, theirs in arrivals:
+            if theirs != running.stamp:
+                return self._mismatch(running, self._ranks.get(peer, peer), theirs)
+        return None
+
+    def end(self, running: Running, sent_only: bool = False) -> None:
+        """Call `running` finished well here.
+
+        Args:
+            sent_only: this rank's part only sent (a root of a broadcast): what shows a disagreement
+                has not come yet, so the next call takes in what arrived meanwhile before it starts.
+        """
+        self._look_first = sent_only
+        self.watch.calls.pop(running.sequence, None)
+        alarmed = running.alarmed
+        if alarmed is not None and getattr(alarmed, "tcoll_cause", running.sequence) not in self._causes:
+            # It finished before the alarm could stop it (its last message was out): the next call raises.
+            self.watch.failed.append(running.sequence)
+            alarmed.tcoll_cause = getattr(alarmed, "tcoll_cause", running.sequence)  # type: ignore[attr-defined]
+            self.poison = self.poison or alarmed
+        self._stamps[running.sequence] = (running.label, running.stamp)
+        if len(self._stamps) > 64:
+            del self._stamps[next(iter(self._stamps))]
+
+    def fail(self, running: Running, error: BaseException) -> None:
+        """Call `running` failed here: forget it, drop its late messages, and tell the other ranks.
+
+        An error that came from another rank's notice is not told back, nor one
+        that every rank of the call learns by itself (tcoll.errors.known_to_peers).
+        """
+        self.watch.calls.pop(running.sequence, None)
+        self.watch.failed.append(running.sequence)
+        self._raised(error, running.sequence)
+        if running.told is not error and not is_known_to_peers(error):
+            self.tell(running.sequence, running.stamp, error)
+
+    def fail_unstarted(self, sequence: int, label: str, stamp: int, error: BaseException) -> None:
+        """A call that failed on this rank before it could start (a bad argument, a notice): tell the others."""
+        self.watch.high = max(self.watch.high, sequence)
+        self.watch.failed.append(sequence)
+        self._ahead.pop(sequence, None)
+        self._raised(error, sequence)
+        if is_known_to_peers(error):
+            self._on_trouble()
+        else:
+            self.tell(sequence, stamp, error)
+
+    def close(self) -> None:
+        """Stop watching (the communicator closes)."""
+        self.engine.watch(self.ctx, None)
+
+    # -- notices -----------------------------------------------------------------------
+
+    def tell(self, sequence: int, stamp: int, error: BaseException) -> None:
+        """Send every other rank a notice that call `sequence` failed here, and why (sends are not waited for)."""
+        self._on_trouble()
+        if len(self.world) == 1 or self.engine.closed:
+            return
+        if isinstance(error, MismatchError):  # the sentence after "call #k (...): " says it all
+            kind, said = _MISMATCH, str(error).split(": ", 1)[-1]
+        elif isinstance(error, PeerLostError):  # the cause is the lost rank, not the rank that saw it first
+            kind, said = _LOST, f"{error.rank}:{error.detail}"
+        else:
+            kind, said = _FAILED, f"{type(error).__name__}: {error}"
+        text = said.encode(errors="replace")[:_TEXT_BYTES]
+        cause = getattr(error, "tcoll_cause", sequence)  # the call the trouble began with
+        payload = np.frombuffer(kind + _CAUSE.pack(cause) + text, dtype=np.uint8)
+        tag = (sequence << BLOCK_BITS) + NOTICE_TAG
+        for peer in self.world:
+            if peer != self.engine.rank and not self.engine.is_lost(peer):
+                try:
+                    self.engine.isend(payload, peer, self.ctx, tag, None, stamp | NOTICE)
+                except TcollError:  # lost meanwhile, or closing: it learns nothing more from us
+                    pass
+
+    # -- alarms (the engine calls them after a round of progress) -----------------------------
+
+    def _alarm(self, kind: str, peer_world: int, tag: int, theirs: int, payload: bytes) -> None:
+        peer = self._ranks.get(peer_world, peer_world)
+        block = tag >> BLOCK_BITS
+        if kind == "quiet" and tag - (block << BLOCK_BITS) >= ARENA_TAGS:
+            kind = "reopening"
+        running = self.watch.calls.get(block)
+        if running is None and block > self.watch.high:  # a notice for a call not started here: kept for it
+            self._on_trouble()
+            self._ahead.setdefault(block, (kind, peer, block, theirs & ~NOTICE, payload))
+            return
+        error = self._error(kind, peer, block, theirs & ~NOTICE, payload, running)
+        if error is None:
+            return
+        self._on_trouble()
+        if running is not None:  # the call under way here cannot complete: the sender does not take part
+            if kind == "notice":
+                running.told = error
+            self._stop(running, error)
+            return
+        cause = getattr(error, "tcoll_cause", block)
+        if cause in self._causes or block in self.watch.failed:
+            return  # this rank raised that trouble already, or failed that call itself
+        self.watch.failed.append(block)  # a call that finished here turns out to have disagreed:
+        error.tcoll_cause = cause  # type: ignore[attr-defined]
+        self.poison = self.poison or error  # the next call raises it
+
+    def _error(self, kind: str, peer: int, block: int, theirs: int, payload: bytes,
+               running: Running | None) -> BaseException | None:
+        label, mine = (running.label, running.stamp) if running else self._stamps.get(block, ("a call", 0))
+        where = f"{label} #{block}"
+        if kind == "notice":
+            (cause,) = _CAUSE.unpack_from(payload, 1)
+            if cause != block:  # told of an earlier call's trouble: its late messages are expected now
+                self._accounted(cause)
+            if block in self.watch.failed and running is None:
+                return None  # this rank failed the call too: nothing more to learn
+            text = payload[1 + _CAUSE.size:].decode(errors="replace")
+            error = self._told_error(payload[:1], where, peer, text, mine, theirs)
+            error.tcoll_cause = cause  # type: ignore[attr-defined]
+            return error
+        if kind == "late" or running is None:  # (a call that finished before its alarm ran: as late)
+            late = MismatchError(f"{where} finished on rank {self.rank}, but rank {peer} made another call at "
+                                 f"that point: {disagreement(peer, theirs, self.rank, mine)}; results of that call "
+                                 "may differ between ranks", ranks=[peer], mine=mine, theirs=theirs)
+            late.tcoll_cause = block  # type: ignore[attr-defined]
+            return late
+        if kind == "reopening":
+            return MismatchError(f"{where}: rank {peer} opens a new shared-memory arena after a failed call, while "
+                                 f"rank {self.rank} still uses the old one (it had not heard of the failure yet); "
+                                 "the next call opens a new arena on every rank", ranks=[peer], mine=mine, theirs=theirs)
+        return self._mismatch(running, peer, theirs)
+
+    @staticmethod
+    def _told_error(kind: bytes, where: str, peer: int, text: str, mine: int, theirs: int) -> BaseException:
+        """The error a notice of kind `kind` from rank `peer` raises here."""
+        if kind == _LOST:
+            lost, _, detail = text.partition(":")
+            return PeerLostError(int(lost) if lost.isdigit() else -1, detail)
+        if kind == _MISMATCH:
+            return MismatchError(f"{where}: rank {peer} found the ranks disagree: {text}", ranks=[peer], mine=mine,
+                                 theirs=theirs)
+        return PeerFailedError(f"{where}: rank {peer} failed this call ({text}), so it cannot complete here", peer,
+                               text)
+
+    def _accounted(self, cause: int) -> None:
+        """A notice about the trouble that began with call `cause`: its late messages are expected now."""
+        if cause not in self.watch.failed:
+            self.watch.failed.append(cause)
+
+    def _mismatch(self, running: Running, peer: int, theirs: int) -> MismatchError:
+        where = f"{running.label} #{running.sequence}"
+        if theirs == running.stamp:  # the same call, yet this rank runs it on the arena
+            text = (f"rank {peer} runs {describe(theirs)} over point-to-point while rank {self.rank} runs it on "
+                    "the shared-memory arena; make the call alike on every rank (blocking or async_op=True)")
+        else:
+            text = disagreement(peer, theirs, self.rank, running.stamp)
+        return MismatchError(f"{where}: {text}", ranks=[peer], mine=running.stamp, theirs=theirs)
+
+    def _stop(self, running: Running, error: BaseException) -> None:
+        """End a call under way with `error`: abort its team step, or have the arena's waits raise it."""
+        running.alarmed = running.alarmed or error
+        if running.work is not None:
+            running.work.abort(error)
+        else:
+            self._on_alarm(error)
