@@ -29,6 +29,7 @@ from tcoll.launch.process import (
     remove_shm_segments,
     signal_group,
 )
+from tcoll.startup import keys
 
 __all__ = ["LaunchError", "Runner", "launch"]
 
@@ -165,7 +166,7 @@ class Runner:
         cfg = self.config
         host = cfg.master_addr or "127.0.0.1"
         port = cfg.master_port
-        auth_key = cfg.env.get("TCOLL_AUTH_KEY") or os.environ.get("TCOLL_AUTH_KEY") or None
+        auth_key = self._job_key(f"{host}:{port}")
         if cfg.node_rank == 0:
             from tcoll.store.tcp import TCPStoreServer
 
@@ -182,6 +183,23 @@ class Runner:
                                       lambda h, p, t, ct: connect_store(h, p, t, ct, auth_key))
         cfg.run_id = self._coord.join()
         return (host, port), port + 1  # every launcher derives it alike, with no exchange
+
+    def _job_key(self, master: str) -> str | None:
+        """The job's key, also handed to every rank: TCOLL_AUTH_KEY, else a new one (see `tcoll.startup.keys`).
+
+        One node makes a random key. Several nodes cannot exchange one before they
+        meet, so each derives it from the user's secret and the master address.
+        """
+        cfg = self.config
+        given = cfg.env.get("TCOLL_AUTH_KEY", os.environ.get("TCOLL_AUTH_KEY"))
+        if given is not None:
+            key = keys.job_key("", master, {"TCOLL_AUTH_KEY": given})
+        elif cfg.nnodes == 1:
+            key = keys.new_job_key()
+        else:
+            key = keys.derived_key(keys.user_secret(keys.secret_path()), "tcoll-run", master)
+        cfg.env["TCOLL_AUTH_KEY"] = key
+        return key or None
 
     def _spawn_all(self, store: tuple[str, int], torch_port: int) -> None:
         """Start every local rank with its environment and output forwarders.

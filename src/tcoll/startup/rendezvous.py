@@ -73,7 +73,7 @@ class LaunchInfo:
             "pmi", "slurm", "explicit", or "single" (no launcher: a world of one).
         torch_agent_store: the store at the master is torchrun's agent store, a torch TCPStore.
         attempt: torchelastic restart count; each attempt meets under its own keys.
-        auth_key: TCOLL_AUTH_KEY, the secret the TCP store demands (hidden from repr).
+        auth_key: TCOLL_AUTH_KEY as read; `init` replaces it with the job's key (see `keys`) (hidden from repr).
     """
 
     rank: int

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import SpawnError
 from ..segments import remove_shm_segments
+from . import keys
 
 __all__ = ["spawn"]
 
@@ -163,7 +164,9 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
 
     payload = _pickle_function(fn)  # first: a TypeError here must leave nothing running
     context = _context(start_method)
-    server = TCPStoreServer("127.0.0.1", 0)
+    given = env.get("TCOLL_AUTH_KEY", os.environ.get("TCOLL_AUTH_KEY"))
+    key = keys.job_key("", "", {"TCOLL_AUTH_KEY": given}) if given is not None else keys.new_job_key()
+    server = TCPStoreServer("127.0.0.1", 0, auth_key=key or None)
     run_id = secrets.token_hex(6)
     procs: list[Any] = []
     pipes: list[Connection] = []
@@ -171,7 +174,7 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
         for rank in range(nprocs):
             rank_env = dict(env, TCOLL_RANK=str(rank), TCOLL_SIZE=str(nprocs), TCOLL_LOCAL_RANK=str(rank),
                             TCOLL_LOCAL_SIZE=str(nprocs), TCOLL_MASTER=f"127.0.0.1:{server.port}",
-                            TCOLL_STORE_HOSTED="1", TCOLL_RUN_ID=run_id)
+                            TCOLL_STORE_HOSTED="1", TCOLL_RUN_ID=run_id, TCOLL_AUTH_KEY=key)
             parent_end, child_end = context.Pipe(duplex=False)
             proc = context.Process(target=_process_main, args=(payload, args, rank_env, init_kwargs, child_end),
                                    name=f"tcoll-rank-{rank}", daemon=True)
