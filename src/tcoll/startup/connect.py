@@ -21,6 +21,7 @@ from ..transport.base import Card, Transport
 from ..transport.loopback import LoopbackTransport
 from ..transport.shm import ShmTransport, host_identity
 from ..transport.tcp import TcpTransport
+from .liveness import PeerWatch, WatchedStore
 from .rendezvous import exchange_cards
 
 __all__ = ["connect_world", "TRANSPORTS"]
@@ -51,7 +52,11 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
     transports = [cls(engine, settings, run_id, master_host) for cls in _allowed(settings.transport)]
     try:
         card = _identity_card(rank)
+        watch = PeerWatch(store, rank, size, dict(card))
+        watch.publish()
+        store = WatchedStore(store, watch)
         for transport in transports:
+            transport.peer_check = watch.check
             card[transport.name] = transport.prepare()
         cards = exchange_cards(store, rank, size, card, settings.timeout)
         assignment = _assign(transports, cards, rank, settings.transport)
