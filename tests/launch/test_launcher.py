@@ -393,3 +393,37 @@ def test_losing_node_0_stops_node_1(tmp_path: Path, reaper: Callable[[int], int]
         assert_gone(pid)
     for pid in ranks[:2]:  # node 0's ranks die with their launcher
         reaper(pid)
+
+
+_ECHO_FIRST = """
+    import os, pathlib, time
+    import tcoll
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        pathlib.Path("pid0").write_text(str(os.getpid()))
+        raise tcoll.PeerLostError(1, "its process is gone")
+    deadline = time.monotonic() + 20
+    while not pathlib.Path("pid0").exists() or _running(int(pathlib.Path("pid0").read_text() or 0)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    raise ValueError("the cause of it all")
+"""
+
+_RUNNING = """
+def _running(pid):
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_cause_is_reported_not_the_first_rank_to_exit(tmp_path: Path) -> None:
+    """Rank 0 exits first with a PeerLostError (an echo); rank 1's ValueError is what the launcher reports."""
+    name = script(tmp_path, _RUNNING + textwrap.dedent(_ECHO_FIRST))
+    done = run(tmp_path, "-n", "2", name)
+    assert done.returncode == 1
+    report = [line for line in done.stderr.splitlines() if line.startswith("tcoll run: rank")]
+    assert report and report[0].startswith("tcoll run: rank 1 "), done.stderr

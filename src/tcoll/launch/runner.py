@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -32,6 +33,11 @@ from tcoll.launch.process import (
 from tcoll.startup import keys
 
 __all__ = ["LaunchError", "Runner", "launch"]
+
+# Errors that tell of another rank's failure: a rank that exits with one is not the cause.
+_ECHOES = re.compile(r"^(?:[\w.]+\.)?(PeerLostError|PeerFailedError)\b")
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w+(?:Error|Exception|Interrupt|Exit)\b")
+_CAUSE_GRACE = 3.0  # seconds to wait for the cause after a rank exits with an echo
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.1  # seconds between checks when no wake-up arrives (e.g. not in the main thread)
@@ -246,13 +252,31 @@ class Runner:
                 return self._on_interrupt(self._signals[0])
             failed = self._reap()
             if failed is not None:
-                return self._on_rank_failure(failed)
+                return self._on_rank_failure(self._cause(failed))
             if not self._alive:
                 return 0
             code = self._check_remote()
             if code is not None:
                 return code
             self._waker.wait(_POLL)
+
+    def _cause(self, first: RankProcess) -> RankProcess:
+        """The failed rank to report: the first whose error is a cause, not the echo of another's.
+
+        A rank that saw a peer vanish or fail (PeerLostError, PeerFailedError) often
+        exits before the rank whose error started it all: wait a moment for that one.
+        """
+        if not _is_echo(first):
+            return first
+        deadline = time.monotonic() + _CAUSE_GRACE
+        while self._alive and time.monotonic() < deadline:
+            self._waker.wait(_POLL)
+            for entry in list(self._alive):
+                if entry.reap():
+                    self._alive.remove(entry)
+                    if entry.proc.returncode != 0 and not _is_echo(entry):
+                        return entry
+        return first
 
     def _on_rank_failure(self, failed: RankProcess) -> int:
         """Report a failed rank with its last stderr lines, stop the others, return its code."""
@@ -373,3 +397,10 @@ class Runner:
         if self._server is not None:
             self._server.close()  # type: ignore[attr-defined]
         remove_shm_segments(self.config.run_id)
+
+
+def _is_echo(entry: RankProcess) -> bool:
+    """Whether a failed rank's last exception (in its stderr) only reports another rank's failure."""
+    entry.err.join(_DRAIN_TIMEOUT)
+    raised = [line for line in entry.err.tail() if _EXCEPTION_LINE.match(line)]
+    return bool(raised) and bool(_ECHOES.match(raised[-1]))
