@@ -66,6 +66,7 @@ class Engine:
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
+        self.host_shares_pids = True  # every rank of this host sees the others' pids (set when connecting)
 
     # -- setup ---------------------------------------------------------------
 

@@ -65,8 +65,10 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
             channels = transport.connect(peers, cards, store.prefix(transport.name), settings.timeout)
             for channel in channels.values():
                 engine.add_channel(channel)
-        local = sum(1 for other in cards if other["host"] == card["host"])
-        engine.set_ranks_on_host(local)
+        neighbours = [other for other in cards if other["host"] == card["host"]]
+        engine.set_ranks_on_host(len(neighbours))
+        # Zero-copy buffers are found through /proc/<pid>: only where every rank of the host sees every pid.
+        engine.host_shares_pids = all(other["pidns"] == card["pidns"] and card["pidns"] for other in neighbours)
     except BaseException:
         engine.close()
         for transport in transports:
