@@ -262,8 +262,16 @@ class Dispatcher:
         try:
             return work.wait(self.timeout)
         except BaseException as exc:
+            if isinstance(exc, TimeoutError) and step_of is not None:
+                self._name_absent(exc, step_of)
             work.abort(exc)  # a timeout or interrupt: withdraw what is still posted
             raise
+
+    def _name_absent(self, error: TimeoutError, running: Running) -> None:
+        """Add to a call's timeout which ranks never entered the call (they are asked: see Agreement.absent)."""
+        said = self.agreement.absent(running.sequence, running.stamp, min(1.0, self.timeout or 1.0))
+        if said:
+            error.args = (f"{error.args[0] if error.args else error}; {said}", *error.args[1:])
 
     def _settle(self, running: Running, work: CollectiveWork) -> None:
         """A call's (last) Work completed or failed: tell the agreement."""
