@@ -163,7 +163,8 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
 
     payload = _pickle_function(fn)  # first: a TypeError here must leave nothing running
     context = _context(start_method)
-    server = TCPStoreServer("127.0.0.1", 0)
+    # The ranks prove TCOLL_AUTH_KEY to the store, and check that it knows the key too.
+    server = TCPStoreServer("127.0.0.1", 0, auth_key=env.get("TCOLL_AUTH_KEY", os.environ.get("TCOLL_AUTH_KEY")) or None)
     run_id = secrets.token_hex(6)
     procs: list[Any] = []
     pipes: list[Connection] = []

@@ -34,9 +34,9 @@ import struct
 import threading
 import time
 
-from ..errors import RendezvousError
 from .base import as_bytes
 from .limits import StoreLimits
+from .listener import bind_listener
 from .table import Table
 from .wire import (
     ERROR, GOODBYE, HANDSHAKE_FRAME, LIMIT, MAGIC, NONCE, OK, U32, Op, ProtocolError, decode,
@@ -116,7 +116,7 @@ class TCPStoreServer:
         self._accept_resume: float | None = None
         self._scratch = bytearray(64 << 10)
         self._closing = False
-        self._listener = self._bind(host, int(port), backlog)
+        self._listener = bind_listener(host, int(port), backlog)
         self.port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -125,36 +125,6 @@ class TCPStoreServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._thread = threading.Thread(target=self._loop, name=f"tcoll-store-server:{self.port}", daemon=True)
         self._thread.start()
-
-    @staticmethod
-    def _bind(host: str, port: int, backlog: int) -> socket.socket:
-        where = f"{host or '*'}:{port}"
-        try:
-            family, kind, proto, _, addr = socket.getaddrinfo(
-                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-        except socket.gaierror as exc:
-            raise RendezvousError(
-                f"cannot host the tcoll store at {where}: unknown host ({exc})", address=f"tcp://{where}"
-            ) from None
-        sock = socket.socket(family, kind, proto)
-        try:
-            # SO_REUSEADDR lets a new job bind while old connections sit in TIME_WAIT;
-            # it does not let two listeners share the port.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(backlog)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise RendezvousError(
-                    f"cannot host the tcoll store at {where}: the port is already in use (another job, or a store "
-                    "left running by an earlier one); pick another port, e.g. TCOLL_MASTER=host:PORT or MASTER_PORT",
-                    address=f"tcp://{where}",
-                ) from None
-            raise RendezvousError(f"cannot host the tcoll store at {where}: {exc}", address=f"tcp://{where}") from None
-        return sock
 
     @property
     def connect_host(self) -> str:
