@@ -44,7 +44,7 @@ class StoreLimits:
     max_value: int = 64 << 20
     max_bytes: int = 1 << 30
     max_connections: int = 4096
-    max_handshakes: int = 128
+    max_handshakes: int = 256
     handshake_timeout: float = 10.0
     idle_timeout: float = 300.0
 
