@@ -295,6 +295,16 @@ def _stray_connections(host: str, port: int) -> list[socket.socket]:
     return strays  # strays[3] says nothing
 
 
+def _assert_linked(world: World) -> None:
+    """Rank 0 of `world` reaches rank 1 over the links the handshake made."""
+    a, b = world.engines
+    out = np.zeros(3, dtype=np.uint8)
+    recv = b.irecv(out, 0, CTX, 0)
+    a.isend(np.array([1, 2, 3], dtype=np.uint8), 1, CTX, 0).wait()
+    recv.wait()
+    assert out.tolist() == [1, 2, 3]
+
+
 def _read_all(sock: socket.socket) -> bytes:
     """Everything the other side sends until it closes."""
     sock.settimeout(5)
@@ -318,12 +328,7 @@ def test_handshake_refuses_foreign_connections() -> None:
         assert b"rank 7 is not expected" in answers[2]
         for stray in strays:
             stray.close()
-        a, b = world.engines
-        out = np.zeros(3, dtype=np.uint8)
-        recv = b.irecv(out, 0, CTX, 0)
-        a.isend(np.array([1, 2, 3], dtype=np.uint8), 1, CTX, 0).wait()
-        recv.wait()
-        assert out.tolist() == [1, 2, 3]
+        _assert_linked(world)
     finally:
         world.close()
 
@@ -443,12 +448,7 @@ def test_strangers_without_the_key_are_refused_before_their_payload(tmp_path) ->
         assert answers[2][:1] == b"R" and b"not a tcoll connection" in answers[2]
         for stray in strays:
             stray.close()
-        a, b = world.engines
-        out = np.zeros(3, dtype=np.uint8)
-        recv = b.irecv(out, 0, CTX, 0)
-        a.isend(np.array([1, 2, 3], dtype=np.uint8), 1, CTX, 0).wait()
-        recv.wait()
-        assert out.tolist() == [1, 2, 3]
+        _assert_linked(world)
     finally:
         world.close()
     assert not marker.exists()

@@ -8,10 +8,9 @@ the hosting process hold.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 
-from ..env import parse_size
+from ..env import parse_size, read_variables
 from ..errors import TcollError
 
 __all__ = ["StoreLimits", "StoreLimitError", "ENTRY_OVERHEAD"]
@@ -75,14 +74,6 @@ class StoreLimits:
         Raises:
             ValueError: a variable or keyword has a bad value.
         """
-        environ = os.environ if environ is None else environ
-        values: dict[str, float | int] = {}
-        for field, (var, convert) in cls._ENV.items():  # type: ignore[attr-defined]
-            raw = environ.get(var)
-            if raw not in (None, ""):
-                try:
-                    values[field] = convert(raw)
-                except ValueError as exc:
-                    raise ValueError(f"{var}={raw!r}: {exc}") from None
+        values = read_variables(cls._ENV, environ)  # type: ignore[attr-defined]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
