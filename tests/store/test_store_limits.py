@@ -19,7 +19,7 @@ import pytest
 from tcoll.errors import RendezvousError
 from tcoll.store import StoreLimitError, StoreLimits, TCPStore, TCPStoreServer
 from tcoll.store import tcp as tcp_module
-from tcoll.store.wire import ERROR, MAGIC, NONCE, OK, Op, decode, encode, proof, recv_frame, send_frame
+from tcoll.store.wire import ERROR, MAGIC, NONCE, OK, U32, Op, decode, encode, proof, recv_frame, send_frame
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
 
@@ -174,25 +174,41 @@ def test_connection_limit() -> None:
 # -- time ----------------------------------------------------------------------------------
 
 
-def test_handshake_timeout_and_cap() -> None:
-    limits = StoreLimits(handshake_timeout=0.5, max_handshakes=4)
-    with TCPStoreServer("127.0.0.1", 0, limits=limits) as server:
+def test_handshake_cap_drops_the_oldest_stranger() -> None:
+    with TCPStoreServer("127.0.0.1", 0, limits=StoreLimits(max_handshakes=4)) as server:
         silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(6)]
         _wait_until(lambda: server.stats()["handshakes"] == 4)
         assert _closed_by_server(silent[0], 5) == b""  # the oldest made room for the newest
-        slow = socket.create_connection(("127.0.0.1", server.port))
-        started = time.monotonic()
-        hello = struct.pack("<I", 30) + encode(Op.HELLO, MAGIC, bytes(NONCE))
-        try:
-            for byte in hello[:-1]:  # a byte every 50 ms does not keep the connection
-                slow.sendall(bytes([byte]))
-                time.sleep(0.05)
-        except OSError:
-            pass
-        assert _closed_by_server(slow, 5) == b"" and time.monotonic() - started < 3
-        for sock in [*silent, slow]:
-            _closed_by_server(sock, 5)
+        with TCPStore("127.0.0.1", server.port, timeout=5) as store:  # a rank still gets in
+            store.set("k", b"v")
+        for sock in silent:
             sock.close()
+        _wait_until(lambda: server.stats()["handshakes"] == 0)
+
+
+def test_a_slow_drip_does_not_extend_the_handshake_timeout() -> None:
+    with TCPStoreServer("127.0.0.1", 0, limits=StoreLimits(handshake_timeout=0.5)) as server:
+        slow = socket.create_connection(("127.0.0.1", server.port))
+        hello = U32.pack(30) + encode(Op.HELLO, MAGIC, bytes(NONCE))
+        dripped = threading.Event()
+
+        def drip() -> None:  # a byte every 100 ms: the whole hello would take 3 s
+            try:
+                for byte in hello:
+                    slow.sendall(bytes([byte]))
+                    time.sleep(0.1)
+            except OSError:
+                pass
+            dripped.set()
+
+        thread = threading.Thread(target=drip)
+        thread.start()
+        try:
+            assert _closed_by_server(slow, 10) == b""
+            assert not dripped.is_set(), "the server waited for the whole drip"
+        finally:
+            thread.join(10)
+            slow.close()
         _wait_until(lambda: server.stats()["handshakes"] == 0)
 
 
