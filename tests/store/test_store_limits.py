@@ -215,7 +215,7 @@ def test_a_slow_drip_does_not_extend_the_handshake_timeout() -> None:
 @pytest.mark.parametrize("race", [False, True], ids=["noticed", "raced"])
 def test_idle_connections_are_closed_and_clients_reconnect(race: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if race:  # the client misses the GOODBYE before sending: the reply is GOODBYE, and it sends again
-        monkeypatch.setattr(tcp_module, "_stale", lambda sock: False)
+        monkeypatch.setattr(tcp_module, "_stale", lambda sock: "ok")
     limits = StoreLimits(idle_timeout=0.3)
     with TCPStoreServer("127.0.0.1", 0, limits=limits) as server, TCPStore("127.0.0.1", server.port,
                                                                             timeout=10) as store:

@@ -40,13 +40,16 @@ class _Busy(ConnectionError):
     """The server turned this connection away without executing anything (GOODBYE): try another."""
 
 
-def _stale(sock: socket.socket) -> bool:
-    """Whether an idle pooled connection was closed by the server (its GOODBYE, or the end, is waiting)."""
+def _stale(sock: socket.socket) -> str:
+    """How an idle pooled connection stands: "ok", "idle" (the server said GOODBYE) or "closed" (it is gone)."""
     try:
         readable, _, _ = select.select([sock], [], [], 0)  # (recv would wait out the socket's timeout)
+        if not readable:
+            return "ok"
+        head = sock.recv(5, socket.MSG_PEEK)  # between requests the server sends nothing but a GOODBYE
     except (OSError, ValueError):
-        return True
-    return bool(readable)  # between requests the server sends nothing but a GOODBYE, or the end
+        return "closed"
+    return "idle" if len(head) == 5 and head[4] == GOODBYE else "closed"
 
 
 def _key_bytes(auth_key: bytes | str | None) -> bytes:
@@ -225,10 +228,14 @@ class TCPStore(Store):
                 raise RendezvousError(f"store client for {self.address} is closed", address=self.address)
             while self._idle:
                 sock = self._idle.pop()
-                if not _stale(sock):
+                state = _stale(sock)
+                if state == "ok":
                     return sock
-                self._socks.discard(sock)  # the server closed it for being idle: use another
+                self._socks.discard(sock)
                 sock.close()
+                if state == "closed":  # not an idle close: the server is gone, as every request would find
+                    raise RendezvousError(f"lost the connection to the store at {self.address}: it closed the "
+                                          "connection", address=self.address)
         # Every connection is busy (another thread is blocked in a request): open one more.
         sock = self._connect(min(self.default_timeout, _RECONNECT_TIMEOUT))
         with self._lock:
