@@ -60,18 +60,18 @@ def _run_own(nprocs: int, *args: str) -> subprocess.CompletedProcess[str]:
 
 # -- examples/collectives: the seed's six collectives -----------------------------------------
 
-_DATA_LINE = re.compile(r"^\[(\d+)\] \[(\d+)\] data = (.*)$")
+_DATA_LINE = re.compile(r"^\[(\d+)\] data = (.*)$")
 
 
 def _printed_data(stdout: str) -> dict[int, str]:
-    """{rank: what it printed after "data ="}, from lines "[r] [r] data = ..." (launcher prefix, then the seed's)."""
+    """{rank: what it printed after "data ="}, from lines "[r] data = ..." (the seed's prefix, not doubled)."""
     printed: dict[int, str] = {}
     for line in stdout.splitlines():
+        assert not re.match(r"^\[\d+\] \[\d+\] ", line), f"doubled prefix: {line!r}"
         match = _DATA_LINE.match(line)
         if match is None:
             continue
-        prefix, rank, value = int(match[1]), int(match[2]), match[3]
-        assert prefix == rank, f"rank {prefix} claims to be rank {rank}: {line!r}"
+        rank, value = int(match[1]), match[2]
         assert rank not in printed, f"rank {rank} printed twice:\n{stdout}"
         printed[rank] = value
     return printed

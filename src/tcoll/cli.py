@@ -171,7 +171,10 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     Returns:
         The parser; parsed arguments carry ``handler``.
     """
+    from tcoll import __version__
+
     parser = argparse.ArgumentParser(prog="tcoll", description="Collective communication for Python.")
+    parser.add_argument("--version", action="version", version=f"tcoll {__version__}")
     subparsers = parser.add_subparsers(dest="command_name", metavar="command")
     for name, (add_arguments, handler) in COMMANDS.items():
         summary = _summary(handler)

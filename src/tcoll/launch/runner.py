@@ -237,15 +237,13 @@ class Runner:
             self._waker.wait(_POLL)
 
     def _on_rank_failure(self, failed: RankProcess) -> int:
-        """Report a failed rank with its last stderr lines, stop the others, return its code."""
+        """Report a failed rank with its last stderr line, stop the others, return its code."""
         returncode = failed.proc.returncode
         reason = describe_exit(returncode)
         failed.err.join(_DRAIN_TIMEOUT)  # its group is dead: the pipe ends soon
-        lines = [f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}"]
-        tail = failed.err.tail()
-        if tail:
-            lines.append(f"tcoll run: last {len(tail)} lines of rank {failed.rank}'s stderr:")
-            lines += [f"    {line}" for line in tail]
+        # Its stderr, traceback included, was forwarded above: name the failure in one line, not twice.
+        last = next((line.strip() for line in reversed(failed.err.tail()) if line.strip()), "")
+        lines = [f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}" + (f": {last}" if last else "")]
         if self._alive:
             lines.append(f"tcoll run: stopping the other {len(self._alive)} local ranks")
         self._sink.message("\n".join(lines))

@@ -1,0 +1,23 @@
+"""What a user sees of the package: public names only, and a version."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import tcoll
+
+
+def test_dir_shows_public_names_only() -> None:
+    names = dir(tcoll)
+    assert names == sorted(tcoll.__all__)
+    for internal in ("algos", "comm", "p2p", "shm", "startup", "store", "transport", "api", "errors", "ops"):
+        assert internal not in names
+    assert all(hasattr(tcoll, name) for name in names)
+    assert importlib.import_module("tcoll.algos").__name__ == "tcoll.algos"  # hidden from dir(), importable
+
+
+def test_version_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "tcoll", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"tcoll {tcoll.__version__}"
