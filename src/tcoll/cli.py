@@ -149,8 +149,57 @@ def _bench(args: argparse.Namespace) -> int:
     return int(module.main(args))
 
 
+# -- tcoll explain | trace ------------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    """argparse type for a byte count: 8, 64MiB, 1G."""
+    from tcoll.env import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_call_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that name a collective call: what, how big, how many ranks."""
+    from tcoll.algos.registry import COLLECTIVES
+
+    parser.add_argument("collective", choices=COLLECTIVES, metavar="collective",
+                        help=f"one of {', '.join(COLLECTIVES)}")
+    parser.add_argument("-n", "--nranks", type=int, default=4, metavar="N", help="ranks (default: 4)")
+
+
+def _add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``tcoll explain`` subparser."""
+    _add_call_arguments(parser)
+    parser.add_argument("size", type=_size, metavar="SIZE",
+                        help="bytes of one rank's input: 8, 4096, 256K, 64MiB, 1G")
+    parser.add_argument("--transport", choices=("shm", "tcp", "loopback"), default="shm",
+                        help="whose link costs to use (default: shm)")
+    parser.add_argument("--hosts", type=int, default=1, metavar="H",
+                        help="hosts the ranks span; above 1 they talk over tcp (default: 1)")
+    parser.add_argument("--async", dest="blocking", action="store_false",
+                        help="an async_op=True call: the shared-memory direct algorithms do not run")
+    parser.add_argument("--ordered", action="store_true", help="the op is not commutative (keep rank order)")
+
+
+def _explain(args: argparse.Namespace) -> int:
+    """Show every algorithm's predicted time, messages and bytes for one call, and the choice (runs nothing)."""
+    from tcoll.algos.select import explain
+
+    if args.nranks < 1 or args.hosts < 1:
+        print("tcoll explain: -n and --hosts must be at least 1", file=sys.stderr)
+        return 2
+    print(explain(args.collective, args.size, args.nranks, args.transport, ordered=args.ordered,
+                  blocking=args.blocking, hosts=args.hosts))
+    return 0
+
+
 register_command("run", _add_run_arguments, _run)
 register_command("bench", _add_bench_arguments, _bench)
+register_command("explain", _add_explain_arguments, _explain)
 
 
 # -- entry point ----------------------------------------------------------------------------
