@@ -17,8 +17,8 @@ import tcoll
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Console samples that only compute and print (no ranks started, no files written): these are run.
-RUNNABLE = ("tcoll explain ", "tcoll --version")
+# Console samples that start no ranks: these are run (in a scratch directory, for the files trace writes).
+RUNNABLE = ("tcoll explain ", "tcoll trace ", "tcoll --version")
 _CONSOLE = re.compile(r"```console\n(.*?)```", re.S)
 
 
@@ -44,14 +44,14 @@ def test_python_samples(path: Path) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
-def test_console_samples(path: Path) -> None:
+def test_console_samples(path: Path, tmp_path: Path) -> None:
     checker = doctest.OutputChecker()
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     for command, want in _console_samples(path):
         if not command.startswith(RUNNABLE):
             continue
         argv = [sys.executable, "-m", "tcoll", *command.split()[1:]]
-        got = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT).stdout
+        got = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path).stdout
         assert checker.check_output(want, got, doctest.ELLIPSIS), f"{path.name}: `{command}` prints\n{got}"
 
 

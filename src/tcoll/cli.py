@@ -197,9 +197,46 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``tcoll trace`` subparser."""
+    _add_call_arguments(parser)
+    parser.add_argument("--algorithm", default="auto",
+                        help="a point-to-point algorithm (default: the cost model's choice over shm)")
+    parser.add_argument("--size", type=_size, default=16, metavar="SIZE",
+                        help="bytes of one rank's input, float32 elements (default: 16)")
+    parser.add_argument("--root", type=int, default=0, help="root of rooted collectives (default: 0)")
+    parser.add_argument("--chunk", type=_size, default=0, metavar="BYTES",
+                        help="bytes per message of pipelined algorithms (default: no cutting)")
+    parser.add_argument("--steps", action="store_true", help="one panel per step, ranks on a circle")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="the picture: .png or .svg")
+
+
+def _trace(args: argparse.Namespace) -> int:
+    """Draw an algorithm's schedule: who sends which block to whom at each step (needs matplotlib)."""
+    from tcoll.algos.record import record
+    from tcoll.algos.select import COSTS, choose
+
+    name = args.algorithm
+    if name == "auto":
+        name = choose(args.collective, args.size, args.nranks, COSTS["shm"]).name
+    try:
+        from tcoll.trace.draw import draw, draw_steps, save
+
+        options = {"chunk_bytes": args.chunk} if args.chunk else {}
+        schedule = record(args.collective, name, args.nranks, max(1, args.size // 4), root=args.root, **options)
+        save((draw_steps if args.steps else draw)(schedule), args.output)
+    except (ImportError, ValueError, RuntimeError) as exc:
+        print(f"tcoll trace: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {schedule.collective} {schedule.algorithm} on {schedule.size} ranks, "
+          f"{len(schedule.messages)} messages in {schedule.steps} step{'s' if schedule.steps != 1 else ''}")
+    return 0
+
+
 register_command("run", _add_run_arguments, _run)
 register_command("bench", _add_bench_arguments, _bench)
 register_command("explain", _add_explain_arguments, _explain)
+register_command("trace", _add_trace_arguments, _trace)
 
 
 # -- entry point ----------------------------------------------------------------------------
