@@ -78,6 +78,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="job id, [A-Za-z0-9_.]; names shared-memory segments (default: random)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="do not prefix each output line with '[rank] '")
+    parser.add_argument("--trace", metavar="FILE.json",
+                        help="write a timeline of the job (Perfetto / chrome://tracing JSON), as TCOLL_TRACE=FILE")
     parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="set a variable in every rank (repeatable)")
     parser.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
@@ -103,6 +105,10 @@ def _run(args: argparse.Namespace) -> int:
             command = command[1:]
     if not command:
         args._parser.error("no script or module to run")
+    if args.trace:
+        import os
+
+        args.env.append(("TCOLL_TRACE", os.path.abspath(args.trace)))
     host, port = args.master or ("", 0)
     config = LaunchConfig(command=command, nprocs=args.nprocs, nnodes=args.nnodes,
                           node_rank=args.node_rank, master_addr=host, master_port=port,

@@ -118,6 +118,21 @@ class Runner:
             self._raise_on_signal = False
             self._cleanup()
             self._restore_handlers()
+            self._merge_trace()
+
+    def _merge_trace(self) -> None:
+        """With TCOLL_TRACE (or --trace), join the ranks' timeline parts into the one file it names."""
+        path = self.config.env.get("TCOLL_TRACE") or os.environ.get("TCOLL_TRACE")
+        if path:
+            from tcoll.p2p.timeline import merge
+
+            try:
+                merged = merge(path)
+            except (OSError, ValueError) as exc:
+                self._sink.message(f"tcoll run: cannot merge the trace {path}: {exc}")
+                return
+            if merged:
+                self._sink.message(f"tcoll run: timeline of {merged} ranks in {path} (open it in ui.perfetto.dev)")
 
     def _abort_others(self, code: int, reason: str) -> None:
         """Tell the other nodes this one gave up, so they do not wait for it."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
+from . import timeline
 from .channel import Channel
 from .waiting import Doorbell, SpinPolicy, cpu_count
 from .matching import Matcher
@@ -66,6 +67,7 @@ class Engine:
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
+        self.timeline = timeline.from_env(rank)  # TCOLL_TRACE: None when off, the only cost then
 
     # -- setup ---------------------------------------------------------------
 
@@ -112,6 +114,8 @@ class Engine:
               stamp: int = 0) -> SendWork:
         """Start sending the bytes `data` to world rank `peer`, stamped `stamp`; returns the SendWork."""
         work = SendWork(self, peer, ctx, tag, data, user_buffer, stamp)
+        if self.timeline is not None:
+            self.timeline.sent(peer, ctx, tag, int(data.nbytes))
         with self._lock:
             self._check_peer(peer)
             if peer == self.rank:
@@ -127,11 +131,18 @@ class Engine:
         A message with another stamp fails the receive with MismatchError (stamp None: any is taken).
         """
         work = RecvWork(self, peer, ctx, tag, data, user_buffer, stamp=stamp)
+        if self.timeline is not None:
+            work.add_done_callback(self._traced)
         with self._lock:
             if not self.matcher.post(work):
                 self._check_peer(peer)  # what a lost peer sent before it went is still delivered
                 self.matcher.queue(work)
         return work
+
+    def _traced(self, work: Work) -> None:
+        """Note a completed receive on the timeline (a failed one moved no message)."""
+        if work._error is None and self.timeline is not None and isinstance(work, RecvWork):
+            self.timeline.received(work.peer, work.ctx, work.tag, work.nbytes)
 
     def _check_peer(self, peer: int) -> None:
         if self.closed:
@@ -360,3 +371,5 @@ class Engine:
         for closer in self.closers:
             closer()
         self.closers.clear()
+        if self.timeline is not None:
+            self.timeline.write()
