@@ -26,7 +26,7 @@ import numpy as np
 
 from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
-from . import timeline
+from . import notice, timeline
 from .channel import Channel
 from .waiting import Doorbell, SpinPolicy, cpu_count
 from .matching import Matcher
@@ -230,6 +230,7 @@ class Engine:
         start = time.monotonic()
         deadline = start + limit
         next_liveness = start + self.settings.liveness_interval
+        notice_at = start + notice.notice_after()  # a long wait says so, once
         spin_start = start
         blocked = False
         while not work._done:
@@ -243,6 +244,9 @@ class Engine:
                 next_liveness = now + self.settings.liveness_interval
                 if work._done:
                     break
+                if now >= notice_at:
+                    notice.say(self.rank, work.description, work.peers(), now - start, limit)
+                    notice_at = float("inf")
             if now >= deadline:
                 raise self._timeout_error(work, limit)
             if moved:
