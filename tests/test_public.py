@@ -1,10 +1,8 @@
-"""What a user sees of the package: public names only, and a version."""
+"""What a user sees of the package: public names only (`tcoll --version`: tests/launch/test_launcher.py)."""
 
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 
 import tcoll
 
@@ -17,7 +15,3 @@ def test_dir_shows_public_names_only() -> None:
     assert all(hasattr(tcoll, name) for name in names)
     assert importlib.import_module("tcoll.algos").__name__ == "tcoll.algos"  # hidden from dir(), importable
 
-
-def test_version_command() -> None:
-    result = subprocess.run([sys.executable, "-m", "tcoll", "--version"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.strip() == f"tcoll {tcoll.__version__}"
