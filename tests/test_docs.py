@@ -4,18 +4,17 @@ and docs/*.md is run, and its output compared with the text (`...` matches anyth
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
 import tcoll
+from helpers.procs import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -64,17 +63,9 @@ def test_the_samples_are_found() -> None:
     assert len(doctest.DocTestParser().get_examples(text)) >= 2
 
 
-def _api_reference() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("api_reference", ROOT / "scripts" / "api_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_api_reference_is_built_from_the_docstrings() -> None:
     """Rendering fails on a public name without a docstring; docs/api.md has every name and member of the code."""
-    page = _api_reference().render()
+    page = load_script(ROOT / "scripts" / "api_reference.py", "api_reference").render()
     for name in tcoll.__all__:
         assert f"`{name}" in page, name
     for member in ("timeout", "closed", "world_ranks", "zeros(", "add_done_callback(", "TransportError",
