@@ -104,3 +104,22 @@ def test_merge_joins_the_parts(tmp_path: Path) -> None:
     events = json.loads(Path(path).read_text())["traceEvents"]
     assert sorted(e["pid"] for e in events if e["ph"] == "X") == [0, 1, 2]
     assert not list(tmp_path.glob("t.json.rank*"))
+
+
+def _ring_all_reduce(comm):  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    comm.all_reduce(np.ones(64, dtype=np.float32), algorithm="ring")
+
+
+@pytest.mark.timeout(60)
+def test_spawn_merges_the_timeline_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tcoll
+
+    path = tmp_path / "spawned.json"
+    monkeypatch.setenv("TCOLL_TRACE", str(path))
+    tcoll.spawn(_ring_all_reduce, 3, threads=True)
+    events = json.loads(path.read_text())["traceEvents"]
+    calls = [e for e in events if e.get("cat") == "collective"]
+    assert sorted(e["pid"] for e in calls) == [0, 1, 2] and {e["args"]["algorithm"] for e in calls} == {"ring"}
+    assert not list(tmp_path.glob("spawned.json.rank*"))
