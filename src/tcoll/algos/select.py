@@ -15,6 +15,8 @@ direct algorithms (`tcoll.shm`). All were fitted to `tcoll bench` runs on a
 
 from __future__ import annotations
 
+from ..env import parse_size
+from .explaining import describe_choice
 from .registry import REGISTRY, AlgorithmInfo, Costs
 
 __all__ = ["choose", "explain", "ranked", "eligible", "COSTS", "ARENA_SYNC", "ARENA_COPY", "ARENA_REDUCE"]
@@ -95,9 +97,6 @@ def explain(collective: str, nbytes: int | str, size: int, transport: str = "shm
         and bytes are those of the rank that sends most, "-" for the direct ones, which
         send no messages), and a line saying why.
     """
-    from ..env import parse_size
-    from .explaining import describe_choice
-
     nbytes = parse_size(nbytes)
     if hosts > 1:
         transport = "tcp"
