@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"startup"},
     {"api"},
     {"__init__"},
-    {"torch", "bench", "launch"},
+    {"torch", "bench", "launch", "trace"},
     {"cli"},
     {"__main__"},
 ]

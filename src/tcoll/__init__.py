@@ -36,3 +36,8 @@ __all__ = [
     "broadcast_object", "all_gather_object", "gather_object", "scatter_object", "send_object", "recv_object",
     "split", "group", "dup",
 ]
+
+
+def __dir__() -> list[str]:
+    """Public names only: the subpackages imported above (algos, comm, p2p, ...) are internals."""
+    return sorted(__all__)

@@ -6,6 +6,7 @@ polled with a deadline) or through tcoll messages, never through sleeps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -24,6 +26,15 @@ _HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
 
 
 # -- files as signals between ranks ---------------------------------------------------------
+
+
+def load_script(path: str | os.PathLike[str], name: str) -> ModuleType:
+    """Import the Python file `path` (a script or example, not on sys.path) as the module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:

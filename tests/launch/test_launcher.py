@@ -143,6 +143,25 @@ def finish(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str, 
 # -- command line -------------------------------------------------------------------------
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tcoll
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"tcoll {tcoll.__version__}\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_prefix_the_rank_printed_itself_is_not_doubled(tmp_path: Path) -> None:
+    body = """
+        import os
+        print(f"[{os.environ['RANK']}] data = 4.0")
+        print("plain")
+    """
+    result = run(tmp_path, "-n", "2", script(tmp_path, body))
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0] data = 4.0", "[0] plain", "[1] data = 4.0", "[1] plain"]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("argv", "command", "nprocs"), [
     (["-n", "2", "s.py", "--foo", "-n", "3"], ["s.py", "--foo", "-n", "3"], 2),
@@ -243,7 +262,9 @@ def test_a_raising_rank_fails_the_job_quickly_with_its_traceback(tmp_path: Path)
     assert result.returncode == 1
     assert "tcoll run: rank 1 (pid " in result.stderr and "exited with code 1" in result.stderr
     report = result.stderr[result.stderr.index("tcoll run: rank 1"):]
-    assert "ValueError: boom from rank one" in report
+    assert "ValueError: boom from rank one" in report.splitlines()[0]  # the failure named in one line
+    assert result.stderr.count("Traceback (most recent call last)") == 1  # forwarded once, not repeated
+    assert result.stderr.count("[1] Traceback (most recent call last)") == 1
     for pid in pids(tmp_path, range(3)):
         assert_gone(pid)
 

@@ -15,6 +15,8 @@ direct algorithms (`tcoll.shm`). All were fitted to `tcoll bench` runs on a
 
 from __future__ import annotations
 
+from ..env import parse_size
+from .explaining import describe_choice
 from .registry import REGISTRY, AlgorithmInfo, Costs
 
 __all__ = ["choose", "explain", "ranked", "eligible", "COSTS", "ARENA_SYNC", "ARENA_COPY", "ARENA_REDUCE"]
@@ -74,30 +76,31 @@ def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bo
     return options[0][1]
 
 
-def explain(collective: str, nbytes: int, size: int, transport: str = "shm", *, ordered: bool = False,
-            uneven: bool = False, blocking: bool = True) -> str:
-    """A table of the modelled time of each eligible algorithm, and the choice.
+def explain(collective: str, nbytes: int | str, size: int, transport: str = "shm", *, ordered: bool = False,
+            uneven: bool = False, blocking: bool = True, hosts: int = 1) -> str:
+    """A table of each eligible algorithm's modelled time, messages and bytes, the choice, and why.
 
     Args:
         collective: e.g. "all_reduce".
-        nbytes: bytes of one rank's input.
+        nbytes: bytes of one rank's input (an int, or text such as "64MiB" or "1G").
         size: ranks in the communicator.
         transport: whose costs to use: "shm", "tcp" or "loopback".
         ordered: the reduce op is not commutative.
         uneven: ranks' counts differ.
         blocking: a blocking call (async_op=False): on one host ("shm") the
             shared-memory direct algorithms compete too.
+        hosts: hosts the ranks span; above 1 the ranks talk over tcp and the
+            direct algorithms cannot run.
 
     Returns:
-        Text, one line per algorithm, the chosen one marked with "*".
+        Text: a header, one line per algorithm (the chosen one marked with "*"; messages
+        and bytes are those of the rank that sends most, "-" for the direct ones, which
+        send no messages), and a line saying why.
     """
+    nbytes = parse_size(nbytes)
+    if hosts > 1:
+        transport = "tcp"
     costs = COSTS[transport]
-    direct = blocking and transport in ("shm", "loopback")
+    direct = blocking and hosts == 1 and transport in ("shm", "loopback")
     options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct)
-    lines = [f"{collective}, {nbytes} B per rank, {size} ranks over {transport} "
-             f"(alpha {costs.alpha * 1e6:g} us, beta {1 / costs.beta / 1e9:g} GB/s, "
-             f"gamma {1 / costs.gamma / 1e9:g} GB/s):"]
-    for index, (seconds, info) in enumerate(options):
-        mark = "*" if index == 0 else " "
-        lines.append(f" {mark} {info.name:<22} {seconds * 1e6:12.1f} us  {info.summary}")
-    return "\n".join(lines)
+    return describe_choice(collective, nbytes, size, transport, costs, options, hosts)

@@ -35,6 +35,7 @@ from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
 from ..errors import MismatchError, TcollError, TransportError
 from ..ops import Op
+from ..p2p import timeline
 from ..p2p.engine import Engine
 from ..shm import blocks, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
@@ -46,6 +47,11 @@ __all__ = ["Dispatcher"]
 
 _ARENA_PHASE = 6  # the phases of a call that open the arena: 6 (barriers) and 7 (the address)
 _MAX_STEPS = 3  # steps of a program: phases 0-5
+
+
+def _traced(call: Call, algorithm: str, sequence: int) -> dict[str, Any]:
+    """What the timeline (TCOLL_TRACE) shows of a call."""
+    return {"collective": call.collective, "bytes": call.nbytes, "algorithm": algorithm, "sequence": sequence}
 
 
 class Dispatcher:
@@ -87,7 +93,11 @@ class Dispatcher:
             info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
                                call.itemsize)
             running = self.agreement.begin(sequence, call.label, call.stamp(info.name), info.direct)
-            return self._execute(info, call, running, 0, async_op, [None], settle=True)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
+            result = self._execute(info, call, running, 0, async_op, [None], settle=True)
+            if self.engine.timeline is not None:
+                self.engine.timeline.call(call.label, began, result, _traced(call, info.name, sequence))
+            return result
         except BaseException as exc:
             cause = self._cause(running, exc)
             self._failed(sequence, call.label, call.stamp(None), running, cause)
@@ -109,11 +119,17 @@ class Dispatcher:
         running = None
         try:
             running = self.agreement.begin(sequence, head.label, stamp, False)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
             if async_op:
                 team = self.team_for(sequence, stamp)
-                return self.start(team, f"{head.label} #{sequence}", self._program_body(program, team), True,
-                                  running)
-            result = self._program_steps(program, running)
+                result = self.start(team, f"{head.label} #{sequence}", self._program_body(program, team), True,
+                                    running)
+            else:
+                result = self._program_steps(program, running)
+            if self.engine.timeline is not None:
+                self.engine.timeline.call(head.label, began, result, _traced(head, requested or "auto", sequence))
+            if async_op:
+                return result
         except BaseException as exc:
             cause = self._cause(running, exc)
             self._failed(sequence, head.label, stamp, running, cause)
@@ -136,7 +152,11 @@ class Dispatcher:
                 raise AssertionError(f"{running.label}: a program has at most {_MAX_STEPS} steps")
             info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, True,
                                call.itemsize)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
             value = self._execute(info, call, running, 2 * step, False, teams)
+            if self.engine.timeline is not None:  # a program's steps: phases 2k, 2k+1 of the call
+                self.engine.timeline.call(f"step {step}: {call.collective}", began, None,
+                                          {**_traced(call, info.name, running.sequence), "phase": 2 * step})
         raise AssertionError("unreachable")
 
     def _program_body(self, program: Program, team: Team) -> Algorithm:
@@ -161,7 +181,11 @@ class Dispatcher:
         try:
             running = self.agreement.begin(sequence, label, stamp, False)
             team = self.team_for(sequence, stamp)
-            return self.start(team, f"{label} #{sequence}", body(team), async_op, running)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
+            result = self.start(team, f"{label} #{sequence}", body(team), async_op, running)
+            if self.engine.timeline is not None:
+                self.engine.timeline.call(label, began, result, {"algorithm": "custom", "sequence": sequence})
+            return result
         except BaseException as exc:
             self._failed(sequence, label, stamp, running, exc)
             raise

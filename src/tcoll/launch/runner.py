@@ -125,6 +125,21 @@ class Runner:
             self._raise_on_signal = False
             self._cleanup()
             self._restore_handlers()
+            self._merge_trace()
+
+    def _merge_trace(self) -> None:
+        """With TCOLL_TRACE (or --trace), join the ranks' timeline parts into the one file it names."""
+        path = self.config.env.get("TCOLL_TRACE") or os.environ.get("TCOLL_TRACE")
+        if path:
+            from tcoll.p2p.timeline import merge
+
+            try:
+                merged = merge(path)
+            except (OSError, ValueError) as exc:
+                self._sink.message(f"tcoll run: cannot merge the trace {path}: {exc}")
+                return
+            if merged:
+                self._sink.message(f"tcoll run: timeline of {merged} ranks in {path} (open it in ui.perfetto.dev)")
 
     def _abort_others(self, code: int, reason: str) -> None:
         """Tell the other nodes this one gave up, so they do not wait for it."""
@@ -279,15 +294,13 @@ class Runner:
         return first
 
     def _on_rank_failure(self, failed: RankProcess) -> int:
-        """Report a failed rank with its last stderr lines, stop the others, return its code."""
+        """Report a failed rank with its last stderr line, stop the others, return its code."""
         returncode = failed.proc.returncode
         reason = describe_exit(returncode)
         failed.err.join(_DRAIN_TIMEOUT)  # its group is dead: the pipe ends soon
-        lines = [f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}"]
-        tail = failed.err.tail()
-        if tail:
-            lines.append(f"tcoll run: last {len(tail)} lines of rank {failed.rank}'s stderr:")
-            lines += [f"    {line}" for line in tail]
+        # Its stderr, traceback included, was forwarded above: name the failure in one line, not twice.
+        last = next((line.strip() for line in reversed(failed.err.tail()) if line.strip()), "")
+        lines = [f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}" + (f": {last}" if last else "")]
         if self._alive:
             lines.append(f"tcoll run: stopping the other {len(self._alive)} local ranks")
         self._sink.message("\n".join(lines))

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
+from . import notice, timeline
 from .channel import Channel
 from .waiting import Doorbell, SpinPolicy, cpu_count
 from .matching import Matcher
@@ -67,6 +68,7 @@ class Engine:
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
         self.host_shares_pids = True  # every rank of this host sees the others' pids (set when connecting)
+        self.timeline = timeline.from_env(rank)  # TCOLL_TRACE: None when off, the only cost then
 
     # -- setup ---------------------------------------------------------------
 
@@ -113,6 +115,8 @@ class Engine:
               stamp: int = 0) -> SendWork:
         """Start sending the bytes `data` to world rank `peer`, stamped `stamp`; returns the SendWork."""
         work = SendWork(self, peer, ctx, tag, data, user_buffer, stamp)
+        if self.timeline is not None:
+            self.timeline.sent(peer, ctx, tag, int(data.nbytes))
         with self._lock:
             self._check_peer(peer)
             if peer == self.rank:
@@ -128,11 +132,18 @@ class Engine:
         A message with another stamp fails the receive with MismatchError (stamp None: any is taken).
         """
         work = RecvWork(self, peer, ctx, tag, data, user_buffer, stamp=stamp)
+        if self.timeline is not None:
+            work.add_done_callback(self._traced)
         with self._lock:
             if not self.matcher.post(work):
                 self._check_peer(peer)  # what a lost peer sent before it went is still delivered
                 self.matcher.queue(work)
         return work
+
+    def _traced(self, work: Work) -> None:
+        """Note a completed receive on the timeline (a failed one moved no message)."""
+        if work._error is None and self.timeline is not None and isinstance(work, RecvWork):
+            self.timeline.received(work.peer, work.ctx, work.tag, work.nbytes)
 
     def _check_peer(self, peer: int) -> None:
         if self.closed:
@@ -220,6 +231,7 @@ class Engine:
         start = time.monotonic()
         deadline = start + limit
         next_liveness = start + self.settings.liveness_interval
+        notice_at = start + notice.notice_after()  # a long wait says so, once
         spin_start = start
         blocked = False
         while not work._done:
@@ -233,6 +245,9 @@ class Engine:
                 next_liveness = now + self.settings.liveness_interval
                 if work._done:
                     break
+                if now >= notice_at:
+                    notice.say(self.rank, work.description, work.peers(), now - start, limit)
+                    notice_at = float("inf")
             if now >= deadline:
                 raise self._timeout_error(work, limit)
             if moved:
@@ -361,3 +376,5 @@ class Engine:
         for closer in self.closers:
             closer()
         self.closers.clear()
+        if self.timeline is not None:
+            self.timeline.write()

@@ -128,6 +128,7 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
     for worker in workers:
         worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     running = [rank for rank, worker in enumerate(workers) if worker.is_alive()]
+    _merge_timeline({})
     if running:
         # Closing a communicator fails the operations its rank is blocked in: the threads end.
         for comm in comms:
@@ -153,6 +154,15 @@ def _first_cause(errors: dict[int, BaseException]) -> int:
 
     primary = [rank for rank, exc in errors.items() if not isinstance(exc, PeerLostError)]
     return min(primary or errors)
+
+
+def _merge_timeline(env: dict[str, str]) -> None:
+    """With TCOLL_TRACE, join the ranks' parts of the timeline into the one file it names (as tcoll run does)."""
+    path = env.get("TCOLL_TRACE") or os.environ.get("TCOLL_TRACE")
+    if path:
+        from ..p2p.timeline import merge
+
+        merge(path)
 
 
 # -- processes -----------------------------------------------------------------
@@ -189,6 +199,7 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
             pipe.close()
         server.close()
         remove_shm_segments(run_id)
+        _merge_timeline(env)
 
 
 def _context(start_method: str | None) -> Any:
