@@ -14,7 +14,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, reductions, uneven
+from . import groups, movement, objects, prefix, reductions, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .dispatch import Dispatcher
 
@@ -45,6 +45,10 @@ class Communicator:
     reduce_scatter = reductions.reduce_scatter
     reduce_scatterv = reductions.reduce_scatterv
     barrier = reductions.barrier
+    scan = prefix.scan
+    exscan = prefix.exscan
+    scan_object = prefix.scan_object
+    exscan_object = prefix.exscan_object
     broadcast = movement.broadcast
     all_gather = movement.all_gather
     gather = movement.gather

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,  # noqa: F401 - registers
-                     reduce, reduce_scatter, scatter)
+                     reduce, reduce_scatter, scan, scatter)
 from ..algos import select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
