@@ -133,6 +133,47 @@ class Engine:
                 self.matcher.queue(work)
         return work
 
+    def probe(self, peer: int, ctx: int, tag: int, timeout: float | None = None) -> RecvWork | None:
+        """The earliest message that a receive (peer, ctx, tag), wildcards allowed, would take; not taken.
+
+        Large messages still in their channels are taken in (copied aside) so that they can be seen.
+
+        Args:
+            timeout: None: look once (iprobe); else block up to `timeout` s until one comes (probe).
+
+        Returns:
+            The message's record (its peer, tag and nbytes are set), or None (looked once: none yet).
+
+        Raises:
+            tcoll.TimeoutError: blocking, and none came in time.
+        """
+        matcher = self.matcher
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def found() -> RecvWork | None:
+            key = matcher.earliest(peer, ctx, tag)
+            return None if key is None else matcher.unexpected[key][0]
+
+        with self._lock:
+            matcher.probing += 1
+        try:
+            while True:
+                with self._lock:
+                    self._progress()
+                    message = found()
+                    if message is None and peer >= 0:
+                        self._check_peer(peer)  # a lost peer sends nothing more
+                if message is not None or deadline is None:
+                    return message
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"probe (rank {peer}, tag {tag}) found no message within {timeout:g} s",
+                                       [peer] if peer >= 0 else [])
+                self.block_unless(lambda: found() is not None, min(left, self.settings.liveness_interval))
+        finally:
+            with self._lock:
+                matcher.probing -= 1
+
     def _check_peer(self, peer: int) -> None:
         if self.closed:
             raise TcollError("the communicator is closed")
