@@ -14,7 +14,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, pairs, prefix, reductions, uneven
+from . import groups, movement, objects, pairs, parcels, prefix, reductions, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .dispatch import Dispatcher
 
@@ -62,8 +62,12 @@ class Communicator:
     all_gather_object = objects.all_gather_object
     gather_object = objects.gather_object
     scatter_object = objects.scatter_object
-    send_object = objects.send_object
-    recv_object = objects.recv_object
+    all_to_all_object = objects.all_to_all_object
+    send_object = parcels.send_object
+    recv_object = parcels.recv_object
+    isend_object = parcels.isend_object
+    irecv_object = parcels.irecv_object
+    sendrecv_object = parcels.sendrecv_object
     sendrecv = pairs.sendrecv
     sendrecv_replace = pairs.sendrecv_replace
     probe = pairs.probe
