@@ -314,8 +314,8 @@ class Dispatcher:
                  blocking: bool) -> AlgorithmInfo:
         if algorithm == "auto":
             forced = self._forced.get(collective, "auto")
-            if forced != "auto" and (direct or not lookup(collective, forced).direct):
-                algorithm = forced
+            if forced != "auto" and _can_run(lookup(collective, forced), ordered, uneven, direct):
+                algorithm = forced  # else auto: a forced algorithm that cannot run this call falls back
         if algorithm == "auto":
             return select.choose(collective, nbytes, self.size, self.costs(), ordered=ordered, uneven=uneven,
                                  direct=direct)
@@ -449,3 +449,8 @@ class Dispatcher:
         blocking = not async_op
         info = self._resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
         return self.run(Call(collective, args, 0, algorithm=info.name), async_op)
+
+
+def _can_run(info: AlgorithmInfo, ordered: bool, uneven: bool, direct: bool) -> bool:
+    """Whether `info` can run a call that needs rank order / uneven counts, and may run direct."""
+    return (info.ordered or not ordered) and (info.uneven or not uneven) and (direct or not info.direct)
