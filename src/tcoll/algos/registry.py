@@ -21,7 +21,8 @@ arena:
     gather(send, out, counts, root)            out is None except on root, whose own block is filled
     scatter(send, out, counts, root)           send is None except on root; root's out is filled
     reduce_scatter(send, out, counts, op)      send is read-only; out gets this rank's reduced block
-    all_to_all(send, out, send_counts, recv_counts)  own block already copied
+    all_to_all(send, out, send_counts, recv_counts, matrix=None)  own block already copied; matrix[q][d]:
+                                               what rank q sends rank d, when known (all_to_allv)
     barrier()
     scan(buf, op)                              buf := op over ranks 0..rank, in place (rank order)
     exscan(buf, op)                            buf := op over ranks 0..rank-1; rank 0's buf unchanged

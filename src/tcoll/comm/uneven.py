@@ -260,6 +260,7 @@ def _all_to_allv_steps(comm: Communicator, like: Any, first: np.ndarray, mine: n
     out = view.reshape(-1)
     sent_at, recv_at = displacements(send_counts), displacements(recv_counts)
     out[recv_at[rank]:recv_at[rank + 1]] = send[sent_at[rank]:sent_at[rank + 1]]
-    yield Call("all_to_all", (send, out, send_counts, recv_counts), total // comm.size, label="all_to_allv",
-               uneven=len(every) > 1, algorithm=algorithm)
+    matrix = [[n * inner for n in d.rows] for d in described]  # what each rank sends each (direct algorithms)
+    yield Call("all_to_all", (send, out, send_counts, recv_counts, matrix), total // comm.size,
+               label="all_to_allv", uneven=len(every) > 1, algorithm=algorithm)
     return _split(user_out, recv_rows)

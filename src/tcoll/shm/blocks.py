@@ -3,7 +3,7 @@
 They follow tcoll.shm.vector: per slot-sized step, the writers copy
 their pieces into their slots (or lend their shared buffer, see
 `Communicator.empty`) and publish; the readers copy (or reduce) straight
-out of the slots. Counts may differ per rank except in all_to_all.
+out of the slots. Counts may differ per rank (all_to_all: given the count matrix).
 """
 
 from __future__ import annotations
@@ -254,33 +254,39 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
     arena.finish_lending(total, ref is not None)
 
 
-@algorithm("all_to_all", "shm", cost=_a2a_cost, uneven=False, direct=True)
+@algorithm("all_to_all", "shm", cost=_a2a_cost, direct=True)
 def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: list[int],
-               recv_counts: list[int]) -> None:
+               recv_counts: list[int], matrix: list[list[int]] | None = None) -> None:
     """Shared-memory all_to_all: each rank writes a share of every block; rank r copies block r of all.
 
     Steps: per step, every rank writes a slot-sized share of the blocks it
     sends (one p-th of its slot per destination), publishes, waits for all,
-    and copies its own share out of every slot. Equal counts only.
+    and copies its own share out of every slot (or straight out of a lent
+    buffer). Uneven counts need the count matrix (all_to_allv has it from
+    its first step), so that every rank takes as many steps as the widest
+    block needs and knows where its block lies in a lent buffer.
     """
     size, me, item = arena.size, arena.rank, send.dtype.itemsize
-    block = send_counts[0] * item
-    total = block * size
     if size == 1:
         return
+    if matrix is None:
+        if len(set(send_counts)) > 1 or len(set(recv_counts)) > 1:
+            raise ValueError("the shared-memory all_to_all needs the count matrix for uneven counts")
+        matrix = [list(send_counts)] * size
+    send_b, recv_b = [n * item for n in send_counts], [n * item for n in recv_counts]
+    send_at, recv_at = displacements(send_b), displacements(recv_b)
+    peer_at = [sum(matrix[q][:me]) * item for q in range(size)]  # where q's block for me starts in q's buffer
+    widest = max(max(row) for row in matrix) * item
+    total = max(sum(row) for row in matrix) * item  # alike on every rank: whether lenders take the last step
     raw, out_raw = send.view(np.uint8), out.view(np.uint8)
     ref = arena.lend(raw, total)
     share = _share(arena)
     sources: list[np.ndarray | None] = []
-    for index in range(_steps([block], share)):
+    for index in range(_steps([widest], share)):
         lo = index * share
-        hi = min(block, lo + share)
         step = arena.first_step(ref) if index == 0 else arena.claim()
         if ref is None:
-            slot = arena.slot(me, step)
-            for q in range(size):
-                if q != me:
-                    slot[q * share:q * share + hi - lo] = raw[q * block + lo:q * block + hi]
+            _write_shares(arena.slot(me, step), raw, send_b, send_at, lo, share, skip=me)
         arena.publish(step)
         if index != 0:
             arena.wait_all(step)
@@ -288,9 +294,10 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
             arena.agree(step)
             sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
         for q in range(size):
-            if q == me:
+            hi = min(recv_b[q], lo + share)
+            if q == me or hi <= lo:
                 continue
             src = sources[q]
-            out_raw[q * block + lo:q * block + hi] = (arena.slot(q, step)[me * share:me * share + hi - lo]
-                                                      if src is None else src[me * block + lo:me * block + hi])
+            out_raw[recv_at[q] + lo:recv_at[q] + hi] = (arena.slot(q, step)[me * share:me * share + hi - lo]
+                                                        if src is None else src[peer_at[q] + lo:peer_at[q] + hi])
     arena.finish_lending(total, ref is not None)
