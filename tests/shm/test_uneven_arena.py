@@ -45,8 +45,28 @@ def test_vcollectives_on_the_arena(size: int, width: int, slot: int) -> None:
     assert tcoll.spawn(v_battery, size, (width,), timeout=120, transport="shm", shm_slot=slot) == [True] * size
 
 
-def test_the_cost_model_takes_the_arena_for_uneven_all_to_all() -> None:
-    from tcoll.algos import select
+def test_all_to_allv_on_one_host_is_one_call_on_the_arena() -> None:
+    from tcoll.algos.registry import lookup
 
-    info = select.choose("all_to_all", 1 << 16, 4, select.COSTS["shm"], uneven=True, direct=True)
-    assert info.name == "shm"
+    assert tcoll.algorithms("all_to_allv") == ["shm"] and lookup("all_to_allv", "shm").direct
+
+
+def mismatch_then_right(comm: tcoll.Communicator) -> list[str]:
+    """One rank's chunks have another dtype: a MismatchError on every rank, and the next call is right."""
+    r, p = comm.rank, comm.size
+    dtype = np.float32 if r == 1 else np.int64
+    seen = []
+    try:
+        comm.all_to_allv([np.zeros((2, 3), dtype=dtype) for _ in range(p)])
+        seen.append("ok")
+    except tcoll.MismatchError as exc:
+        seen.append(f"MismatchError: {exc}")
+    got = comm.all_to_allv([np.full((d + 1, 2), float(r)) for d in range(p)])
+    seen.append(str(all(g.shape == (r + 1, 2) and bool((g == q).all()) for q, g in enumerate(got))))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_dtype_mismatch_is_an_error_on_every_rank() -> None:
+    for rank, seen in enumerate(tcoll.spawn(mismatch_then_right, 3, timeout=120, transport="shm")):
+        assert seen[0].startswith("MismatchError") and "dtype" in seen[0] and seen[1] == "True", (rank, seen)

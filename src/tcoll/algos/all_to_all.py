@@ -17,7 +17,7 @@ def _pairwise_cost(c: Costs, nbytes: int, size: int) -> float:
 
 @algorithm("all_to_all", "pairwise", cost=_pairwise_cost)
 def pairwise(team: Team, send: np.ndarray, out: np.ndarray, send_counts: list[int],
-             recv_counts: list[int], matrix: list[list[int]] | None = None) -> Algorithm:
+             recv_counts: list[int]) -> Algorithm:
     """Pairwise exchange: in step k, send to rank+k and receive from rank-k.
 
     Steps: p-1; in step k (1 <= k < p) this rank sends its block for
@@ -49,7 +49,7 @@ def _bruck_cost(c: Costs, nbytes: int, size: int) -> float:
 
 @algorithm("all_to_all", "bruck", cost=_bruck_cost, uneven=False)
 def bruck(team: Team, send: np.ndarray, out: np.ndarray, send_counts: list[int],
-          recv_counts: list[int], matrix: list[list[int]] | None = None) -> Algorithm:
+          recv_counts: list[int]) -> Algorithm:
     """Bruck's index algorithm: log2(p) steps that each forward the blocks whose index has bit k set.
 
     Steps: (1) rotate locally so that block i is the one for rank+i;

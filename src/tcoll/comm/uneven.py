@@ -237,9 +237,11 @@ def all_to_allv(comm: Communicator, chunks: Any, *, algorithm: str = "auto", asy
         MismatchError: (on every rank) the ranks' trailing shapes or dtypes differ.
     """
     views = chunk_views(chunks, comm.size, "all_to_allv")
+    mine = _header(chunks[0], [v.shape[0] for v in views])
+    if not async_op and algorithm in ("auto", "shm") and comm._dispatch.direct_capable():
+        return _all_to_allv_direct(comm, chunks[0], views, mine)
     send = np.concatenate([v.reshape(-1) for v in views])
     _check_algorithm(comm, "all_to_all", algorithm, send.nbytes, async_op)
-    mine = _header(chunks[0], [v.shape[0] for v in views])
     program = _all_to_allv_steps(comm, chunks[0], views[0], mine, send, algorithm)
     head = Call("all_to_all", (), 0, label="all_to_allv", algorithm=algorithm)
     return comm._dispatch.run_program(program, head, async_op)
@@ -260,7 +262,32 @@ def _all_to_allv_steps(comm: Communicator, like: Any, first: np.ndarray, mine: n
     out = view.reshape(-1)
     sent_at, recv_at = displacements(send_counts), displacements(recv_counts)
     out[recv_at[rank]:recv_at[rank + 1]] = send[sent_at[rank]:sent_at[rank + 1]]
-    matrix = [[n * inner for n in d.rows] for d in described]  # what each rank sends each (direct algorithms)
-    yield Call("all_to_all", (send, out, send_counts, recv_counts, matrix), total // comm.size,
-               label="all_to_allv", uneven=len(every) > 1, algorithm=algorithm)
+    yield Call("all_to_all", (send, out, send_counts, recv_counts), total // comm.size, label="all_to_allv",
+               uneven=len(every) > 1, algorithm=algorithm)
     return _split(user_out, recv_rows)
+
+
+def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray], mine: np.ndarray) -> list[Any]:
+    """all_to_allv in one call on the arena: the headers travel in its first step, with the data."""
+    first, rank, size = views[0], comm.rank, comm.size
+    trailing, dtype = first.shape[1:], first.dtype
+    row_bytes = math.prod(trailing) * dtype.itemsize
+    result: list[list[Any]] = []
+
+    def arrived(table: np.ndarray) -> tuple[np.ndarray, list[int], int]:
+        rows = table.reshape(size, -1)
+        if (rows[:, :_W] != mine[:_W]).any():  # descriptions differ (they agree in the common case): check them
+            _read_table(table, size, "all_to_allv")
+        counts = rows[:, _W:].copy().view(np.int64)  # counts[q, d]: rows rank q sends rank d
+        recv_rows = [int(n) for n in counts[:, rank]]
+        user_out, view = empty_like_kind(like, (sum(recv_rows), *trailing), dtype)
+        out = view.reshape(-1).view(np.uint8)
+        mine_at = sum(recv_rows[:rank]) * row_bytes
+        out[mine_at:mine_at + views[rank].nbytes] = views[rank].reshape(-1).view(np.uint8)
+        result.append(_split(user_out, recv_rows))
+        return out, [n * row_bytes for n in recv_rows], int(counts.max(initial=0)) * row_bytes
+
+    blocks = [v.reshape(-1).view(np.uint8) for v in views]
+    call = Call("all_to_allv", (mine, blocks, arrived), sum(b.size for b in blocks) // size, label="all_to_allv")
+    comm._dispatch.run(call)
+    return result[0]

@@ -3,10 +3,12 @@
 They follow tcoll.shm.vector: per slot-sized step, the writers copy
 their pieces into their slots (or lend their shared buffer, see
 `Communicator.empty`) and publish; the readers copy (or reduce) straight
-out of the slots. Counts may differ per rank (all_to_all: given the count matrix).
+out of the slots. Counts may differ per rank except in all_to_all (all_to_allv has its own).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -254,39 +256,33 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
     arena.finish_lending(total, ref is not None)
 
 
-@algorithm("all_to_all", "shm", cost=_a2a_cost, direct=True)
+@algorithm("all_to_all", "shm", cost=_a2a_cost, uneven=False, direct=True)
 def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: list[int],
-               recv_counts: list[int], matrix: list[list[int]] | None = None) -> None:
+               recv_counts: list[int]) -> None:
     """Shared-memory all_to_all: each rank writes a share of every block; rank r copies block r of all.
 
     Steps: per step, every rank writes a slot-sized share of the blocks it
     sends (one p-th of its slot per destination), publishes, waits for all,
-    and copies its own share out of every slot (or straight out of a lent
-    buffer). Uneven counts need the count matrix (all_to_allv has it from
-    its first step), so that every rank takes as many steps as the widest
-    block needs and knows where its block lies in a lent buffer.
+    and copies its own share out of every slot. Equal counts only.
     """
     size, me, item = arena.size, arena.rank, send.dtype.itemsize
+    block = send_counts[0] * item
+    total = block * size
     if size == 1:
         return
-    if matrix is None:
-        if len(set(send_counts)) > 1 or len(set(recv_counts)) > 1:
-            raise ValueError("the shared-memory all_to_all needs the count matrix for uneven counts")
-        matrix = [list(send_counts)] * size
-    send_b, recv_b = [n * item for n in send_counts], [n * item for n in recv_counts]
-    send_at, recv_at = displacements(send_b), displacements(recv_b)
-    peer_at = [sum(matrix[q][:me]) * item for q in range(size)]  # where q's block for me starts in q's buffer
-    widest = max(max(row) for row in matrix) * item
-    total = max(sum(row) for row in matrix) * item  # alike on every rank: whether lenders take the last step
     raw, out_raw = send.view(np.uint8), out.view(np.uint8)
     ref = arena.lend(raw, total)
     share = _share(arena)
     sources: list[np.ndarray | None] = []
-    for index in range(_steps([widest], share)):
+    for index in range(_steps([block], share)):
         lo = index * share
+        hi = min(block, lo + share)
         step = arena.first_step(ref) if index == 0 else arena.claim()
         if ref is None:
-            _write_shares(arena.slot(me, step), raw, send_b, send_at, lo, share, skip=me)
+            slot = arena.slot(me, step)
+            for q in range(size):
+                if q != me:
+                    slot[q * share:q * share + hi - lo] = raw[q * block + lo:q * block + hi]
         arena.publish(step)
         if index != 0:
             arena.wait_all(step)
@@ -294,10 +290,66 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
             arena.agree(step)
             sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
         for q in range(size):
-            hi = min(recv_b[q], lo + share)
-            if q == me or hi <= lo:
+            if q == me:
                 continue
             src = sources[q]
-            out_raw[recv_at[q] + lo:recv_at[q] + hi] = (arena.slot(q, step)[me * share:me * share + hi - lo]
-                                                        if src is None else src[peer_at[q] + lo:peer_at[q] + hi])
+            out_raw[q * block + lo:q * block + hi] = (arena.slot(q, step)[me * share:me * share + hi - lo]
+                                                      if src is None else src[me * block + lo:me * block + hi])
     arena.finish_lending(total, ref is not None)
+
+
+@algorithm("all_to_allv", "shm", cost=_a2a_cost, direct=True)
+def all_to_allv(arena: Arena, header: np.ndarray, blocks: list[np.ndarray],
+                arrived: Callable[[np.ndarray], tuple[np.ndarray, list[int], int]]) -> None:
+    """Shared-memory all_to_allv in one go: the counts travel in the first step, with the data.
+
+    Steps: in the first step every rank puts its header (its description and
+    counts) at the head of its slot, and after it the first share of each
+    block it sends (`blocks[d]`, flat bytes, for rank d); once all have
+    published, each reads every header, learns the whole count matrix (so
+    how many steps the widest block takes, alike on every rank) and where
+    its output goes (`arrived` returns the output bytes, the bytes from each
+    rank, and the widest block), and copies its shares out. Further steps
+    move the rest with full shares, as all_to_all does. One synchronisation
+    fewer than learning the counts first.
+    """
+    size, me, width = arena.size, arena.rank, header.size
+    if size == 1:
+        arrived(header)
+        return
+    share = arena.slot_bytes // size
+    first = (arena.slot_bytes - width) // size  # the first step's shares: the headers come before them
+    if first <= 0:
+        raise ValueError(f"all_to_allv: the shared-memory slot ({arena.slot_bytes} B) cannot hold the counts of "
+                         f"{size} ranks; raise TCOLL_SHM_SLOT")
+    step = arena.first_step()
+    slot = arena.slot(me, step)
+    slot[:width] = header
+    _put_shares(slot, width, first, blocks, 0, me)
+    arena.publish(step)
+    arena.agree(step)
+    out, recv_bytes, widest = arrived(np.concatenate([arena.slot(q, step)[:width] for q in range(size)]))
+    recv_at = displacements(recv_bytes)
+    lo, base, piece = 0, width, first
+    while True:
+        for q in range(size):
+            hi = min(recv_bytes[q], lo + piece)
+            if q != me and hi > lo:
+                at = base + me * piece
+                out[recv_at[q] + lo:recv_at[q] + hi] = arena.slot(q, step)[at:at + hi - lo]
+        lo += piece
+        if lo >= widest:
+            return
+        base, piece = 0, share
+        step = arena.claim()
+        _put_shares(arena.slot(me, step), 0, share, blocks, lo, me)
+        arena.publish(step)
+        arena.wait_all(step)
+
+
+def _put_shares(slot: np.ndarray, base: int, piece: int, blocks: list[np.ndarray], lo: int, skip: int) -> None:
+    """Copy bytes [lo, lo + piece) of each block d (but `skip`) to slot[base + d * piece:]."""
+    for d, block in enumerate(blocks):
+        hi = min(block.size, lo + piece)
+        if d != skip and hi > lo:
+            slot[base + d * piece:base + d * piece + hi - lo] = block[lo:hi]
