@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tcoll
-from helpers.cases import MATMUL, SOME_DTYPES, assert_reduced, make_input, op_of, valid_pairs
+from helpers.cases import MATMUL, SOME_DTYPES, assert_reduced, make_input, op_of, runnable, valid_pairs
 
 PAIRS = valid_pairs(SOME_DTYPES)
 
@@ -39,7 +39,7 @@ def _check(comm: tcoll.Communicator, collective: str, algorithm: str, count: int
 
 def prefix_battery(comm: tcoll.Communicator, count: int) -> bool:
     for collective in ("scan", "exscan"):
-        for algorithm in ["auto", *tcoll.algorithms(collective)]:
+        for algorithm in ["auto", *runnable(comm, collective)]:
             _check(comm, collective, algorithm, count)
         _check(comm, collective, "auto", count, async_op=True)
     return True
@@ -80,24 +80,27 @@ def pipelined(comm: tcoll.Communicator) -> bool:
     """Many chunks through the chain, and an uneven tail (coll_chunk is tiny)."""
     r = comm.rank
     for collective in ("scan", "exscan"):
-        for algorithm in tcoll.algorithms(collective):
+        for algorithm in runnable(comm, collective):
             x = np.arange(1001, dtype=np.float64) + r
             getattr(comm, collective)(x, algorithm=algorithm)
             ranks = range(r + 1) if collective == "scan" else range(r)
             want = sum((np.arange(1001, dtype=np.float64) + i for i in ranks), np.zeros(1001)) if ranks else \
                 np.arange(1001, dtype=np.float64)
             assert np.array_equal(x, want), (collective, algorithm)
-    m = make_input(r, 300, MATMUL_DTYPE, "matmul")
-    comm.scan(m, MATMUL, algorithm="linear")
-    want = functools.reduce(MATMUL.fn, [make_input(i, 300, MATMUL_DTYPE, "matmul") for i in range(r + 1)])
-    assert np.array_equal(m, want)
+    for algorithm in runnable(comm, "scan"):
+        m = make_input(r, 300, MATMUL_DTYPE, "matmul")
+        comm.scan(m, MATMUL, algorithm=algorithm)
+        want = functools.reduce(MATMUL.fn, [make_input(i, 300, MATMUL_DTYPE, "matmul") for i in range(r + 1)])
+        assert np.array_equal(m, want), algorithm
     return True
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport,size", [("shm", 4), ("tcp", 3)])
 def test_prefix_processes(transport: str, size: int) -> None:
-    assert tcoll.spawn(pipelined, size, timeout=120, transport=transport, coll_chunk=256) == [True] * size
+    # Tiny chunks and slots: many pieces through the chain and through the arena.
+    assert tcoll.spawn(pipelined, size, timeout=120, transport=transport, coll_chunk=256,
+                       shm_slot=4096) == [True] * size
 
 
 def _outcome(call: Any) -> str:
@@ -133,3 +136,4 @@ def test_cost_model_picks_the_chain_for_large_and_doubling_for_small() -> None:
     assert select.choose("scan", 64, 8, costs).name == "recursive_doubling"
     assert select.choose("scan", 64 << 20, 8, costs).name == "linear"
     assert select.choose("exscan", 64, 8, costs).name == "recursive_doubling"
+    assert select.choose("scan", 64, 8, costs, direct=True).name == "shm"  # blocking, on one host

@@ -36,7 +36,7 @@ from ..algos.team import Algorithm, CollectiveWork, Team
 from ..errors import MismatchError, TcollError, TransportError
 from ..ops import Op
 from ..p2p.engine import Engine
-from ..shm import blocks, vector  # noqa: F401 - registers the direct algorithms
+from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.heap import heap_of
 from .agreement import Agreement, Running
