@@ -14,6 +14,8 @@ from .api import (algorithms, all_gather, all_gather_object, all_gatherv, all_re
                   barrier, broadcast, broadcast_object, dup, gather, gather_object, gatherv, group, irecv, isend,
                   recv, recv_object, reduce, reduce_scatter, reduce_scatterv, scatter, scatter_object, scatterv,
                   send, send_object, split)
+from .api import (all_to_all_object, exscan, exscan_object, iprobe, irecv_object, isend_object, probe, scan,
+                  scan_object, sendrecv, sendrecv_object, sendrecv_replace)
 from .comm.communicator import Communicator
 from .comm.pairs import ANY_SOURCE, ANY_TAG, Status
 from .errors import (MessageSizeError, MismatchError, PeerFailedError, PeerLostError, RendezvousError, SpawnError,
@@ -37,4 +39,6 @@ __all__ = [
     "broadcast_object", "all_gather_object", "gather_object", "scatter_object", "send_object", "recv_object",
     "split", "group", "dup",
     "ANY_SOURCE", "ANY_TAG", "Status", "wait_all", "wait_any", "test_some",
+    "scan", "exscan", "scan_object", "exscan_object", "all_to_all_object", "sendrecv", "sendrecv_replace",
+    "sendrecv_object", "probe", "iprobe", "isend_object", "irecv_object",
 ]
