@@ -167,7 +167,8 @@ class Engine:
                     return message
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"probe (rank {peer}, tag {tag}) found no message within {timeout:g} s",
+                    what = f"{'any rank' if peer < 0 else f'rank {peer}'}, tag {'any' if tag < 0 else tag}"
+                    raise TimeoutError(f"probe ({what}) found no message within {timeout:g} s",
                                        [peer] if peer >= 0 else [])
                 self.block_unless(lambda: found() is not None, min(left, self.settings.liveness_interval))
         finally:

@@ -214,7 +214,10 @@ class RecvWork(Work):
 
     @property
     def description(self) -> str:
-        return self._description or f"recv from rank {self.peer} (tag {self.tag}, up to {self.capacity} B)"
+        if self._description:
+            return self._description
+        peer = "any rank" if self.peer < 0 else f"rank {self.peer}"
+        return f"recv from {peer} (tag {'any' if self.tag < 0 else self.tag}, up to {self.capacity} B)"
 
     def cancel(self) -> bool:
         """Withdraw this receive unless a message already matched it (see Work.cancel)."""
