@@ -87,6 +87,9 @@ def pipelined(comm: tcoll.Communicator) -> bool:
             want = sum((np.arange(1001, dtype=np.float64) + i for i in ranks), np.zeros(1001)) if ranks else \
                 np.arange(1001, dtype=np.float64)
             assert np.array_equal(x, want), (collective, algorithm)
+    y = np.full(5, r + 1, dtype=np.int32)
+    work = comm.exscan(y, "prod", async_op=True)  # async: over point-to-point, on every transport
+    assert work.wait() is y and (y == (np.prod(np.arange(1, r + 1)) if r else r + 1)).all()
     for algorithm in runnable(comm, "scan"):
         m = make_input(r, 300, MATMUL_DTYPE, "matmul")
         comm.scan(m, MATMUL, algorithm=algorithm)
