@@ -275,11 +275,10 @@ def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray], 
     result: list[list[Any]] = []
 
     def arrived(table: np.ndarray) -> tuple[np.ndarray, list[int], int]:
-        rows = table.reshape(size, -1)
-        if (rows[:, :_W] != mine[:_W]).any():  # descriptions differ (they agree in the common case): check them
-            _read_table(table, size, "all_to_allv")
-        counts = rows[:, _W:].copy().view(np.int64)  # counts[q, d]: rows rank q sends rank d
-        recv_rows = [int(n) for n in counts[:, rank]]
+        if (table.reshape(size, -1)[:, :_W] != mine[:_W]).any():  # descriptions differ (not in the common
+            _read_table(table, size, "all_to_allv")                # case, equal chunk 0s): check them
+        counts = np.ndarray((size, size), np.int64, table, _W, (mine.size, 8))  # [q, d]: rows q sends d
+        recv_rows = counts[:, rank].tolist()
         user_out, view = empty_like_kind(like, (sum(recv_rows), *trailing), dtype)
         out = view.reshape(-1).view(np.uint8)
         mine_at = sum(recv_rows[:rank]) * row_bytes
