@@ -273,18 +273,19 @@ def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray], 
     trailing, dtype = first.shape[1:], first.dtype
     row_bytes = math.prod(trailing) * dtype.itemsize
     result: list[list[Any]] = []
+    width, meta = mine.size, mine[:_W].tobytes()
 
     def arrived(table: np.ndarray) -> tuple[np.ndarray, list[int], int]:
-        if (table.reshape(size, -1)[:, :_W] != mine[:_W]).any():  # descriptions differ (not in the common
-            _read_table(table, size, "all_to_allv")                # case, equal chunk 0s): check them
-        counts = np.ndarray((size, size), np.int64, table, _W, (mine.size, 8))  # [q, d]: rows q sends d
-        recv_rows = counts[:, rank].tolist()
+        if any(table[q * width:q * width + _W].tobytes() != meta for q in range(size)):
+            _read_table(table, size, "all_to_allv")  # descriptions differ (not when chunk 0s agree): check them
+        matrix = np.ndarray((size, size), np.int64, table, _W, (width, 8)).tolist()  # [q][d]: rows q sends d
+        recv_rows = [row[rank] for row in matrix]
         user_out, view = empty_like_kind(like, (sum(recv_rows), *trailing), dtype)
         out = view.reshape(-1).view(np.uint8)
         mine_at = sum(recv_rows[:rank]) * row_bytes
         out[mine_at:mine_at + views[rank].nbytes] = views[rank].reshape(-1).view(np.uint8)
         result.append(_split(user_out, recv_rows))
-        return out, [n * row_bytes for n in recv_rows], int(counts.max(initial=0)) * row_bytes
+        return out, [n * row_bytes for n in recv_rows], max(map(max, matrix)) * row_bytes
 
     blocks = [v.reshape(-1).view(np.uint8) for v in views]
     call = Call("all_to_allv", (mine, blocks, arrived), sum(b.size for b in blocks) // size, label="all_to_allv")
