@@ -3,7 +3,8 @@
 examples/ring.py is the README's demo; examples/collectives/*.py are the six
 collectives of the torch.distributed walk-through, whose printed values are
 checked against NumPy; examples/sgd.py trains data-parallel and checks itself
-against training in one process.
+against training in one process; examples/heat.py trades halos by sendrecv and
+checks itself against one process.
 """
 
 from __future__ import annotations
@@ -181,3 +182,14 @@ def test_sgd_example_single_process(sgd_reference: list[float]) -> None:
     assert result.returncode == 0, result.stderr
     _check_sgd_output(result.stdout, 1, sgd_reference)
     assert "trained on 1 rank(s)" in result.stdout
+
+
+# -- examples/heat.py: a halo exchange by sendrecv, checked against one process ------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [1, 3, 4])
+def test_heat_example(nprocs: int) -> None:
+    result = _run_own(nprocs, "examples/heat.py", "--points", "101", "--steps", "1500")
+    assert result.returncode == 0, result.stderr
+    assert f"on {nprocs} rank(s): matches one process exactly" in result.stdout, result.stdout

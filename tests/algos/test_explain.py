@@ -39,6 +39,8 @@ def test_one_host_blocking_calls_weigh_the_direct_algorithms() -> None:
 def test_a_million_ranks_at_once() -> None:
     began = time.perf_counter()
     for collective in COLLECTIVES:
+        if tcoll.algorithms(collective) == ["shm"]:
+            continue  # (all_to_allv's one algorithm) runs only inside a host
         assert "why:" in tcoll.explain(collective, "1G", 1_000_000, "tcp")
     assert time.perf_counter() - began < 2.0  # closed forms only: microseconds each, even on a loaded machine
 

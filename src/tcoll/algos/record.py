@@ -217,6 +217,8 @@ def _arguments(collective: str, rank: int, size: int, count: int, dtype: np.dtyp
     counts = [count] * size
     whole = np.empty(count * size, dtype=dtype)  # never read nor written: empty, not zeros
     own = np.empty(count, dtype=dtype)
+    if collective in ("scan", "exscan"):
+        return (own, op), [own], own.nbytes
     if collective in ("all_reduce", "reduce", "broadcast"):
         args: tuple[Any, ...] = {"all_reduce": (own, op), "reduce": (own, op, root),
                                  "broadcast": (own, root)}[collective]

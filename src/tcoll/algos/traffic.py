@@ -105,6 +105,10 @@ FORMULAS: dict[tuple[str, str], Formula] = {
     ("reduce_scatter", "pairwise"): lambda n, p, c: Traffic(p - 1, (p - 1) * n // p),
     ("all_to_all", "pairwise"): lambda n, p, c: Traffic(p - 1, (p - 1) * n // p),
     ("all_to_all", "bruck"): lambda n, p, c: Traffic(_ceil_log2(p), _ones_below(p) * n // p),
+    ("scan", "linear"): lambda n, p, c: Traffic(_chunks(n, c), n),
+    ("scan", "recursive_doubling"): lambda n, p, c: Traffic(_ceil_log2(p), _ceil_log2(p) * n),
+    ("exscan", "linear"): lambda n, p, c: Traffic(_chunks(n, c), n),
+    ("exscan", "recursive_doubling"): lambda n, p, c: Traffic(_ceil_log2(p), _ceil_log2(p) * n),
     ("barrier", "dissemination"): lambda n, p, c: Traffic(_ceil_log2(p), 0),
     ("barrier", "tree"): lambda n, p, c: Traffic(_ceil_log2(p), 0),
 }

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,  # noqa: F401 - registers
-                     reduce, reduce_scatter, scatter)
+                     reduce, reduce_scatter, scan, scatter)
 from ..algos import select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
@@ -37,7 +37,7 @@ from ..errors import MismatchError, TcollError, TransportError
 from ..ops import Op
 from ..p2p import timeline
 from ..p2p.engine import Engine
-from ..shm import blocks, vector  # noqa: F401 - registers the direct algorithms
+from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.heap import heap_of
 from .agreement import Agreement, Running
@@ -346,8 +346,8 @@ class Dispatcher:
                  blocking: bool) -> AlgorithmInfo:
         if algorithm == "auto":
             forced = self._forced.get(collective, "auto")
-            if forced != "auto" and (direct or not lookup(collective, forced).direct):
-                algorithm = forced
+            if forced != "auto" and _can_run(lookup(collective, forced), ordered, uneven, direct):
+                algorithm = forced  # else auto: a forced algorithm that cannot run this call falls back
         if algorithm == "auto":
             return select.choose(collective, nbytes, self.size, self.costs(), ordered=ordered, uneven=uneven,
                                  direct=direct)
@@ -481,3 +481,8 @@ class Dispatcher:
         blocking = not async_op
         info = self._resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
         return self.run(Call(collective, args, 0, algorithm=info.name), async_op)
+
+
+def _can_run(info: AlgorithmInfo, ordered: bool, uneven: bool, direct: bool) -> bool:
+    """Whether `info` can run a call that needs rank order / uneven counts, and may run direct."""
+    return (info.ordered or not ordered) and (info.uneven or not uneven) and (direct or not info.direct)

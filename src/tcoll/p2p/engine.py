@@ -145,6 +145,48 @@ class Engine:
         if work._error is None and self.timeline is not None and isinstance(work, RecvWork):
             self.timeline.received(work.peer, work.ctx, work.tag, work.nbytes)
 
+    def probe(self, peer: int, ctx: int, tag: int, timeout: float | None = None) -> RecvWork | None:
+        """The earliest message that a receive (peer, ctx, tag), wildcards allowed, would take; not taken.
+
+        Large messages still in their channels are taken in (copied aside) so that they can be seen.
+
+        Args:
+            timeout: None: look once (iprobe); else block up to `timeout` s until one comes (probe).
+
+        Returns:
+            The message's record (its peer, tag and nbytes are set), or None (looked once: none yet).
+
+        Raises:
+            tcoll.TimeoutError: blocking, and none came in time.
+        """
+        matcher = self.matcher
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def found() -> RecvWork | None:
+            key = matcher.earliest(peer, ctx, tag)
+            return None if key is None else matcher.unexpected[key][0]
+
+        with self._lock:
+            matcher.probing += 1
+        try:
+            while True:
+                with self._lock:
+                    self._progress()
+                    message = found()
+                    if message is None and peer >= 0:
+                        self._check_peer(peer)  # a lost peer sends nothing more
+                if message is not None or deadline is None:
+                    return message
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    what = f"{'any rank' if peer < 0 else f'rank {peer}'}, tag {'any' if tag < 0 else tag}"
+                    raise TimeoutError(f"probe ({what}) found no message within {timeout:g} s",
+                                       [peer] if peer >= 0 else [])
+                self.block_unless(lambda: found() is not None, min(left, self.settings.liveness_interval))
+        finally:
+            with self._lock:
+                matcher.probing -= 1
+
     def _check_peer(self, peer: int) -> None:
         if self.closed:
             raise TcollError("the communicator is closed")
