@@ -5,19 +5,15 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.procs import shm_segments
+from helpers.procs import run_ranks, shm_segments
 
 from tcoll.errors import TransportError
-from tcoll.store.tcp import TCPStoreServer
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Both ranks lend zero-copy buffers to a direct all_reduce (so each maps the other's), then die by SIGKILL.
 _JOB = """
@@ -39,22 +35,7 @@ _JOB = """
 def test_kill9_of_every_rank_holding_zero_copy_buffers_leaves_nothing(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text(textwrap.dedent(_JOB))
     run_id = f"leftovers{os.getpid()}"
-    server = TCPStoreServer("127.0.0.1", 0, auth_key="k")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TCOLL_")}
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), base.get("PYTHONPATH", "")) if p)
-    procs = []
-    try:
-        for rank in range(2):
-            env = {**base, "TCOLL_RANK": str(rank), "TCOLL_SIZE": "2", "TCOLL_LOCAL_RANK": str(rank),
-                   "TCOLL_LOCAL_SIZE": "2", "TCOLL_MASTER": f"127.0.0.1:{server.port}", "TCOLL_STORE_HOSTED": "1",
-                   "TCOLL_RUN_ID": run_id, "TCOLL_AUTH_KEY": "k"}
-            procs.append(subprocess.Popen([sys.executable, "job.py"], cwd=tmp_path, env=env))
-        codes = [proc.wait(timeout=45) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        server.close()
+    codes = run_ranks(tmp_path, ["job.py"], 2, run_id)
     assert codes == [-signal.SIGKILL] * 2
     assert all((tmp_path / f"ready.{rank}").exists() for rank in range(2))
     assert shm_segments(run_id) == []

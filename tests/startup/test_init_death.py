@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tcoll.store.tcp import TCPStoreServer
+from helpers.procs import run_ranks
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Rank 2 dies by SIGKILL at a chosen point of its init: before its card is out, or while connecting.
 _JOB = """
@@ -50,23 +47,7 @@ def test_a_rank_killed_during_init_is_named_within_5_s(tmp_path: Path, transport
     import json
 
     (tmp_path / "job.py").write_text(textwrap.dedent(_JOB))
-    server = TCPStoreServer("127.0.0.1", 0, auth_key="k")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TCOLL_")}
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), base.get("PYTHONPATH", "")) if p)
-    procs = []
-    try:
-        for rank in range(3):
-            env = {**base, "TCOLL_RANK": str(rank), "TCOLL_SIZE": "3", "TCOLL_LOCAL_RANK": str(rank),
-                   "TCOLL_LOCAL_SIZE": "3", "TCOLL_MASTER": f"127.0.0.1:{server.port}", "TCOLL_STORE_HOSTED": "1",
-                   "TCOLL_RUN_ID": f"death{os.getpid()}", "TCOLL_AUTH_KEY": "k", "TCOLL_TRANSPORT": transport}
-            procs.append(subprocess.Popen([sys.executable, "job.py", where], cwd=tmp_path, env=env))
-        for proc in procs:
-            proc.wait(timeout=45)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        server.close()
+    run_ranks(tmp_path, ["job.py", where], 3, f"death{os.getpid()}", TCOLL_TRANSPORT=transport)
     died = float((tmp_path / "died.2").read_text())
     for rank in (0, 1):
         result = json.loads((tmp_path / f"result.{rank}").read_text())
