@@ -188,17 +188,20 @@ def absent_rank(comm: tcoll.Communicator, flag: str, busy: bool) -> str:
     if comm.rank != 2:
         comm.timeout = 2.0
         said = _outcome(lambda: comm.all_reduce(x, algorithm="ring"))
+        comm.timeout = 20.0
         if comm.rank == 0:
-            comm.timeout = 20.0
             open(flag, "w").close()
             comm.send(np.ones(1), 2, tag=7)  # let rank 2 go on
+        comm.barrier()  # no rank leaves (and closes) while another still asks
         return said
     comm.timeout = 20.0
     if busy:
         while not os.path.exists(flag):  # not a tcoll call: its engine makes no progress
             pass
     comm.recv(np.empty(1), src=0, tag=7)
-    return "ok"
+    late = _outcome(lambda: comm.all_reduce(x, algorithm="ring"))  # call #1 failed elsewhere: it fails here too
+    comm.barrier()
+    return late
 
 
 @pytest.mark.timeout(90)
@@ -213,3 +216,4 @@ def test_a_timeout_names_the_rank_that_never_entered_the_call(tmp_path: Any, bus
             assert "rank(s) [2] did not answer" in said and "not in any tcoll call" in said, said
         else:
             assert "rank 2 (its last call is #0) never entered it" in said, said
+    assert results[2].startswith("PeerFailedError"), results[2]

@@ -237,10 +237,14 @@ class Agreement:
         for peer in peers:
             self._send(peer, sequence, stamp, _ASK + _CAUSE.pack(sequence))
         deadline = time.monotonic() + wait
-        while len(answers) < len(peers) and time.monotonic() < deadline and not self.engine.closed:
-            self.engine.poll()
-            self.engine.block_unless(lambda: len(answers) >= len(peers), min(0.02, wait))
-        del self._answers[sequence]
+        try:
+            while len(answers) < len(peers) and time.monotonic() < deadline and not self.engine.closed:
+                self.engine.poll()
+                self.engine.block_unless(lambda: len(answers) >= len(peers), min(0.02, wait))
+        except TcollError:  # a peer went meanwhile: say what is known; the call's own error stands
+            pass
+        finally:
+            del self._answers[sequence]
         never = [f"rank {self._ranks[w]} (its last call is #{answers[w][1]})" for w in peers
                  if w in answers and answers[w][0] == b"n"]
         silent = [self._ranks[w] for w in peers if w not in answers]
