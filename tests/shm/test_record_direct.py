@@ -19,6 +19,7 @@ from tcoll.shm.vector import SMALL_BYTES
 DIRECT = [(collective, name) for collective, infos in REGISTRY.items() for name, info in infos.items() if info.direct]
 # (elements per rank or block, TCOLL_SHM_SLOT): one step; many small slots; large enough to lend (one more step)
 CASES = [(4, 1 << 20), (1000, 512), (300, 256), (5000, 4096)]
+LARGE = [(size, 4, 1 << 20) for size in (16, 37, 64)] + [(37, 300, 256)]  # larger worlds, fewer cases
 ITEM = 4  # float32
 
 
@@ -67,17 +68,16 @@ def expected(collective: str, size: int, rank: int, count: int, slot: int, root:
 
 @pytest.mark.parametrize(("collective", "name"), DIRECT)
 def test_recorded_copies_and_combines_are_the_documented_ones(collective: str, name: str) -> None:
-    for size in range(1, 9):
-        for count, slot in CASES:
-            if collective in ("all_reduce", "reduce", "broadcast", "scan", "exscan"):
-                count *= size  # a vector that is cut into p parts
-            root = size // 2
-            schedule = record_direct(collective, name, size, count, slot_bytes=slot, root=root)
-            for rank in range(size):
-                got = schedule.copied(rank), schedule.combined(rank)
-                want = expected(collective, size, rank, count, slot, root)
-                assert got == want[:2], (size, count, slot, rank, got, want)
-            assert schedule.steps == expected(collective, size, 0, count, slot, root)[2], (size, count, slot)
+    for size, count, slot in [(size, *case) for size in range(1, 9) for case in CASES] + LARGE:
+        if collective in ("all_reduce", "reduce", "broadcast", "scan", "exscan"):
+            count *= size  # a vector that is cut into p parts
+        root = size // 2
+        schedule = record_direct(collective, name, size, count, slot_bytes=slot, root=root)
+        for rank in range(size):
+            got = schedule.copied(rank), schedule.combined(rank)
+            want = expected(collective, size, rank, count, slot, root)
+            assert got == want[:2], (size, count, slot, rank, got, want)
+        assert schedule.steps == expected(collective, size, 0, count, slot, root)[2], (size, count, slot)
 
 
 def _model(collective: str, name: str, nbytes: int, size: int, monkeypatch: pytest.MonkeyPatch,

@@ -11,6 +11,8 @@ computed: the buffers the algorithm is given are never read or written.
 
 The result, a `Schedule`, is what `tcoll trace` draws and what the tests
 compare with the cost model's message and byte counts (tcoll.algos.traffic).
+The shared-memory direct algorithms send no messages: tcoll.shm.record runs
+them on a stand-in for the arena, into the same Schedule (its `accesses`).
 """
 
 from __future__ import annotations
