@@ -17,6 +17,10 @@ byte a rank reads from a slot was written in that slot's step, by ranks
 whose publication of that step the reader waited for, and no rank writes a
 step's slot after publishing the step. A schedule that breaks this is a
 RuntimeError, so the recorder also tests the algorithms' synchronisation.
+No buffer is lent (the stand-in has no heap): the schedule is that of buffers
+outside shared memory, which go through the slots; a buffer from
+`Communicator.empty` is read in place instead, and the calls large enough to
+lend take their closing step all the same.
 """
 
 from __future__ import annotations
@@ -106,7 +110,10 @@ class RecordingArena:
         if write and view.step < self.published:
             raise RuntimeError(f"rank {self.rank} writes a slot of step {view.step} after publishing it")
         self.schedule.accesses.append(SlotAccess(view.step, self.rank, view.owner, view.nbytes, write, combine))
-        (self.writes.append(view) if write else self.reads.append((view, tuple(self.seen))))
+        if write:
+            self.writes.append(view)
+        else:
+            self.reads.append((view, tuple(self.seen)))
 
     def slot(self, rank: int, step: int) -> SlotView:
         return SlotView(self, rank, step, 0, self.slot_bytes, np.uint8)
