@@ -46,7 +46,7 @@ def _colour(block: int, blocks: int) -> Any:
 def _title(schedule: Schedule) -> str:
     if schedule.accesses or schedule.arena_steps:
         return (f"{schedule.collective} {schedule.algorithm}: {schedule.size} ranks, "
-                f"{format_bytes(schedule.nbytes)} per rank, no messages: {schedule.arena_steps} arena "
+                f"{format_bytes(schedule.nbytes)} per rank,\nno messages: {schedule.arena_steps} arena "
                 f"step{'s' if schedule.arena_steps != 1 else ''}")
     return (f"{schedule.collective} {schedule.algorithm}: {schedule.size} ranks, "
             f"{format_bytes(schedule.nbytes)} per rank, {len(schedule.messages)} messages in "
@@ -100,7 +100,7 @@ def _draw_arena(schedule: Schedule) -> Any:
 
     plt = _pyplot()
     p, steps = schedule.size, max(1, schedule.arena_steps)
-    fig, ax = plt.subplots(figsize=(1.8 + 1.1 * steps, 0.9 + 0.55 * p))
+    fig, ax = plt.subplots(figsize=(max(5.5, 2.8 + 1.1 * steps), 1.2 + 0.55 * p))
     drawn: set[tuple[int, int, int, bool, bool]] = set()
     for a in schedule.accesses:  # one mark per (step, rank, slot, kind): pieces of one copy are one mark
         key = (a.step, a.rank, a.owner, a.write, a.combine)
@@ -123,14 +123,14 @@ def _draw_arena(schedule: Schedule) -> Any:
     ax.grid(axis="x", color="0.9")
     ax.set_title(_title(schedule), fontsize=10)
     handles = [Line2D([], [], color="0.5", marker="s", lw=0, label="copy into a slot"),
+               Line2D([], [], color="0.5", marker="s", lw=0, markeredgecolor="black", markeredgewidth=1.5,
+                      label="... into another's slot"),
                Line2D([], [], color="0.5", lw=1.2, label="copy out of it"),
                Line2D([], [], color="0.5", lw=1.2, ls="--", label="reduce out of it"),
                *[Line2D([], [], color=_colour(q, p), lw=3, label=f"rank {q}'s slot") for q in range(p)]]
     if schedule.reductions:
         handles.append(Line2D([], [], color="black", marker="o", lw=0, markersize=5, label="combine"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    ax.text(1.01, 0.0, "thick edge: a write into\nanother rank's slot", transform=ax.transAxes, fontsize=7,
-            va="bottom")
     fig.tight_layout()
     return fig
 
