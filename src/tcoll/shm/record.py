@@ -34,7 +34,9 @@ from ..algos.registry import lookup
 from ..ops import Op, as_op
 from .arena import ZERO_COPY_BYTES, agreed_slot
 
-__all__ = ["RecordingArena", "SlotView", "record_direct"]
+__all__ = ["RecordingArena", "SlotView", "record_direct", "HEADER_BYTES"]
+
+HEADER_BYTES = 256  # an all_to_allv header's description, before its counts (tcoll.comm.describe.META_BYTES)
 
 
 class SlotView:
@@ -203,7 +205,7 @@ def _all_to_allv_arguments(rank: int, size: int, count: int, dtype: np.dtype) ->
     def arrived(table: np.ndarray) -> tuple[np.ndarray, list[int], int]:
         return out, [0 if q == rank else block for q in range(size)], block
 
-    header = np.zeros(8 * (size + 2), dtype=np.uint8)  # a description and the counts, as the communicator's
+    header = np.zeros(HEADER_BYTES + 8 * size, dtype=np.uint8)  # a description and the counts, as the communicator's
     blocks = [np.empty(block, dtype=np.uint8) for _ in range(size)]
     return (header, blocks, arrived), block * size
 
