@@ -1,9 +1,10 @@
-"""Draw every point-to-point algorithm's schedule into docs/img, with `tcoll trace` (needs matplotlib).
+"""Draw every algorithm's schedule into docs/img, with `tcoll trace` (needs matplotlib).
 
     PYTHONPATH=src python scripts/draw_algorithms.py [--ranks 4] [--out docs/img]
 
 One picture per algorithm, docs/img/schedule-<collective>-<algorithm>.svg: ranks are rows,
-steps are columns, an arrow is a message coloured by the block it carries, a dot a combine.
+steps are columns, an arrow is a message coloured by the block it carries, a dot a combine; the
+shared-memory (direct) ones show their arena steps: slot writes, and lines to the ranks reading them.
 docs/collectives.md shows them; run this again when an algorithm changes.
 """
 
@@ -17,6 +18,8 @@ from tcoll import cli
 from tcoll.algos.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
+# all_reduce and reduce on the arena change method above one slot: show two 256-byte pieces of the large one
+DIRECT_SIZES = {"all_reduce": ["--size", "512", "--chunk", "256"], "reduce": ["--size", "512", "--chunk", "256"]}
 
 
 def main() -> int:
@@ -27,10 +30,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for collective, infos in REGISTRY.items():
         for name, info in infos.items():
-            if info.direct:
-                continue  # the shared-memory algorithms send no messages: nothing to draw
             path = args.out / f"schedule-{collective}-{name}.svg"
-            code = cli.main(["trace", collective, "--algorithm", name, "-n", str(args.ranks), "--size", "16",
+            size = DIRECT_SIZES.get(collective, ["--size", "16"]) if info.direct else ["--size", "16"]
+            code = cli.main(["trace", collective, "--algorithm", name, "-n", str(args.ranks), *size,
                              "-o", str(path)])
             if code:
                 return code

@@ -207,12 +207,13 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """Fill the ``tcoll trace`` subparser."""
     _add_call_arguments(parser)
     parser.add_argument("--algorithm", default="auto",
-                        help="a point-to-point algorithm (default: the cost model's choice over shm)")
+                        help="an algorithm, shm included (default: the cost model's choice over shm)")
     parser.add_argument("--size", type=_size, default=16, metavar="SIZE",
                         help="bytes of one rank's input, float32 elements (default: 16)")
     parser.add_argument("--root", type=int, default=0, help="root of rooted collectives (default: 0)")
     parser.add_argument("--chunk", type=_size, default=0, metavar="BYTES",
-                        help="bytes per message of pipelined algorithms (default: no cutting)")
+                        help="bytes per message of pipelined algorithms, or TCOLL_SHM_SLOT for shm ones "
+                             "(default: no cutting, 1 MiB slots)")
     parser.add_argument("--steps", action="store_true", help="one panel per step, ranks on a circle")
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help="the picture: .png or .svg")
 
@@ -220,7 +221,9 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
 def _trace(args: argparse.Namespace) -> int:
     """Draw an algorithm's schedule: who sends which block to whom at each step (needs matplotlib)."""
     from tcoll.algos.record import record
+    from tcoll.algos.registry import lookup
     from tcoll.algos.select import COSTS, choose
+    from tcoll.shm.record import record_direct
 
     name = args.algorithm
     if name == "auto":
@@ -228,14 +231,17 @@ def _trace(args: argparse.Namespace) -> int:
     try:
         from tcoll.trace.draw import draw, draw_steps, save
 
-        options = {"chunk_bytes": args.chunk} if args.chunk else {}
-        schedule = record(args.collective, name, args.nranks, max(1, args.size // 4), root=args.root, **options)
+        direct = lookup(args.collective, name).direct
+        options = {("slot_bytes" if direct else "chunk_bytes"): args.chunk} if args.chunk else {}
+        schedule = (record_direct if direct else record)(args.collective, name, args.nranks, max(1, args.size // 4),
+                                                         root=args.root, **options)
         save((draw_steps if args.steps else draw)(schedule), args.output)
     except (ImportError, ValueError, RuntimeError) as exc:
         print(f"tcoll trace: {exc}", file=sys.stderr)
         return 2
+    moved = f"{len(schedule.accesses)} slot copies" if direct else f"{len(schedule.messages)} messages"
     print(f"{args.output}: {schedule.collective} {schedule.algorithm} on {schedule.size} ranks, "
-          f"{len(schedule.messages)} messages in {schedule.steps} step{'s' if schedule.steps != 1 else ''}")
+          f"{moved} in {schedule.steps} step{'s' if schedule.steps != 1 else ''}")
     return 0
 
 

@@ -11,6 +11,8 @@ computed: the buffers the algorithm is given are never read or written.
 
 The result, a `Schedule`, is what `tcoll trace` draws and what the tests
 compare with the cost model's message and byte counts (tcoll.algos.traffic).
+The shared-memory direct algorithms send no messages: tcoll.shm.record runs
+them on a stand-in for the arena, into the same Schedule (its `accesses`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from ..ops import Op, as_op
 from .registry import lookup
 
-__all__ = ["Message", "Reduction", "Schedule", "RecordingTeam", "record"]
+__all__ = ["Message", "Reduction", "SlotAccess", "Schedule", "RecordingTeam", "record", "call_arguments"]
 
 _NO_CHUNKS = 1 << 62  # chunk_bytes that cuts nothing
 
@@ -59,6 +61,27 @@ class Reduction:
     nbytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotAccess:
+    """One copy into or out of a slot of the shared-memory arena (direct algorithms, tcoll.shm.record).
+
+    Attributes:
+        step: the arena step whose slot set it touches.
+        rank: who copies.
+        owner: whose slot it is.
+        nbytes: its size.
+        write: into the slot (else out of it).
+        combine: done by a reduction (its operand or output), not by a plain copy.
+    """
+
+    step: int
+    rank: int
+    owner: int
+    nbytes: int
+    write: bool
+    combine: bool = False
+
+
 @dataclasses.dataclass
 class Schedule:
     """Everything one collective call does, per step and rank.
@@ -69,6 +92,8 @@ class Schedule:
         nbytes: bytes of one rank's input, as the cost model counts them.
         messages: every message, in the order they were sent.
         reductions: every combine.
+        accesses: every slot copy of a direct (shared-memory) algorithm, in the order each rank made them.
+        arena_steps: the arena steps a direct algorithm takes (0 for the others).
     """
 
     collective: str
@@ -77,11 +102,23 @@ class Schedule:
     nbytes: int
     messages: list[Message] = dataclasses.field(default_factory=list)
     reductions: list[Reduction] = dataclasses.field(default_factory=list)
+    accesses: list[SlotAccess] = dataclasses.field(default_factory=list)
+    arena_steps: int = 0
 
     @property
     def steps(self) -> int:
-        """Message latencies from start to end (0 when nothing is sent)."""
-        return max((m.step + 1 for m in self.messages), default=0)
+        """Message latencies from start to end, or a direct algorithm's arena steps (0 when nothing happens)."""
+        return max(self.arena_steps, max((m.step + 1 for m in self.messages), default=0))
+
+    def copied(self, rank: int) -> tuple[int, int]:
+        """(bytes copied into slots, bytes copied out of slots) by `rank` with plain copies, not reductions."""
+        into = sum(a.nbytes for a in self.accesses if a.rank == rank and a.write and not a.combine)
+        out = sum(a.nbytes for a in self.accesses if a.rank == rank and not a.write and not a.combine)
+        return into, out
+
+    def combined(self, rank: int) -> int:
+        """Bytes `rank` combines: one operand's worth per reduction."""
+        return sum(r.nbytes for r in self.reductions if r.rank == rank)
 
     def sent(self, rank: int) -> tuple[int, int]:
         """(messages, bytes) that `rank` sends."""
@@ -210,9 +247,15 @@ class _RecordingOp:
         pass
 
 
-def _arguments(collective: str, rank: int, size: int, count: int, dtype: np.dtype, op: Any,
-               root: int) -> tuple[tuple[Any, ...], list[np.ndarray], int]:
-    """(the algorithm's arguments after the team, the rank's main buffers, nbytes as the cost model counts)."""
+def call_arguments(collective: str, rank: int, size: int, count: int, dtype: np.dtype, op: Any,
+                   root: int) -> tuple[tuple[Any, ...], list[np.ndarray], int]:
+    """(the algorithm's arguments after the team, the rank's main buffers, nbytes as the cost model counts).
+
+    Buffers are np.empty of `count` elements per rank (per block for the block collectives), never read.
+
+    Raises:
+        ValueError: an unknown collective (all_to_allv has its own, see tcoll.shm.record).
+    """
     itemsize = dtype.itemsize
     counts = [count] * size
     whole = np.empty(count * size, dtype=dtype)  # never read nor written: empty, not zeros
@@ -260,7 +303,8 @@ def record(collective: str, algorithm: str, size: int, count: int = 1, *, dtype:
     """
     info = lookup(collective, algorithm)
     if info.direct:
-        raise ValueError(f"{collective} {algorithm} runs on the shared-memory arena, not on messages")
+        raise ValueError(f"{collective} {algorithm} runs on the shared-memory arena, not on messages: "
+                         "tcoll.shm.record.record_direct records it")
     dtype = np.dtype(dtype)
     schedule = Schedule(collective, algorithm, size, 0)
     recorder = _Recorder(schedule, [[] for _ in range(size)], size if blocks else 0)
@@ -268,7 +312,7 @@ def record(collective: str, algorithm: str, size: int, count: int = 1, *, dtype:
     runs = []
     for rank in range(size):
         ops[rank].rank = rank
-        args, bases, schedule.nbytes = _arguments(collective, rank, size, count, dtype, ops[rank], root)
+        args, bases, schedule.nbytes = call_arguments(collective, rank, size, count, dtype, ops[rank], root)
         recorder.bases[rank] = bases
         runs.append(info.run(RecordingTeam(recorder, rank, size, chunk_bytes), *args))
     _drive(runs, recorder)

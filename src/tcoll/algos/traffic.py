@@ -6,7 +6,8 @@ sends, in closed form, so `tcoll explain` shows them at any world size. They
 are exact when the data divides evenly into the algorithm's blocks (the
 recorder's tests, tests/algos/test_record.py, check them against the recorded
 schedules of world sizes 1 to 64) and close otherwise. The direct (shared
-memory) algorithms send no messages and have no entry.
+memory) algorithms send no messages and have no entry (tcoll.shm.record records
+what they copy through the arena).
 
 Notation: n is the cost model's nbytes (one rank's input: the whole vector for
 all_reduce, reduce and broadcast, one block for all_gather, gather and scatter,

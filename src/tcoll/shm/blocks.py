@@ -44,10 +44,21 @@ def _write_shares(slot: np.ndarray, raw: np.ndarray, nbytes: list[int], disp: li
             slot[q * share:q * share + hi - lo] = raw[disp[q] + lo:disp[q] + hi]
 
 
-def _move_cost(c: Costs, nbytes: int, size: int) -> float:
+def _move_cost(c: Costs, nbytes: int, size: int, copies: float = 2) -> float:
+    """Steps, and `copies` times nbytes copied on the longest chain of copies (see tests/shm/test_record_direct.py)."""
     if size == 1:
         return 0.0
-    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * ARENA_SYNC + 2 * nbytes * ARENA_COPY
+    return (-(-max(nbytes, 1) // (1 << 20)) + 1) * ARENA_SYNC + copies * nbytes * ARENA_COPY
+
+
+def _gather_cost(c: Costs, nbytes: int, size: int) -> float:
+    # gather: p-1 ranks write a block each, root copies the p-1 blocks out; scatter the other way round
+    return _move_cost(c, nbytes, size, size)
+
+
+def _all_gather_cost(c: Costs, nbytes: int, size: int) -> float:
+    # a rank writes its block, then copies all p blocks out of the slots (its own too: still in cache)
+    return _move_cost(c, nbytes, size, size + 1)
 
 
 def _a2a_cost(c: Costs, nbytes: int, size: int) -> float:
@@ -57,10 +68,11 @@ def _a2a_cost(c: Costs, nbytes: int, size: int) -> float:
 
 
 def _rs_cost(c: Costs, nbytes: int, size: int) -> float:
-    return _move_cost(c, nbytes, size) + (size - 1) / size * nbytes * ARENA_REDUCE if size > 1 else 0.0
+    # every rank copies its whole send buffer in once; the reduction writes its output itself
+    return _move_cost(c, nbytes, size, 1) + (size - 1) / size * nbytes * ARENA_REDUCE if size > 1 else 0.0
 
 
-@algorithm("all_gather", "shm", cost=_move_cost, direct=True)
+@algorithm("all_gather", "shm", cost=_all_gather_cost, direct=True)
 def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndarray | None = None) -> None:
     """Shared-memory all_gather: every rank writes its block once; every rank copies all blocks out.
 
@@ -97,7 +109,7 @@ def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndar
                 raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo]
 
 
-@algorithm("gather", "shm", cost=_move_cost, direct=True)
+@algorithm("gather", "shm", cost=_gather_cost, direct=True)
 def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[int], root: int) -> None:
     """Shared-memory gather: the others write their blocks into their slots; root copies them out.
 
@@ -157,7 +169,7 @@ def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, s
                 raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo]
 
 
-@algorithm("scatter", "shm", cost=_move_cost, direct=True)
+@algorithm("scatter", "shm", cost=_gather_cost, direct=True)
 def scatter(arena: Arena, send: np.ndarray | None, out: np.ndarray, counts: list[int], root: int) -> None:
     """Shared-memory scatter: root writes every other rank's piece into its slot; each copies its own.
 

@@ -20,10 +20,16 @@ from .arena import Arena
 __all__: list[str] = []
 
 
-def _prefix_cost(c: Costs, nbytes: int, size: int) -> float:
+def _prefix_cost(c: Costs, nbytes: int, size: int, operands: int = 0) -> float:
+    """The last rank's time: it combines `operands` (default: every rank's) pieces, operands - 1 reductions."""
     if size == 1:
         return 0.0
-    return -(-max(nbytes, 1) // (1 << 20)) * ARENA_SYNC + nbytes * ARENA_COPY + (size - 1) * nbytes * ARENA_REDUCE
+    reductions = max(0, (operands or size) - 1)
+    return -(-max(nbytes, 1) // (1 << 20)) * ARENA_SYNC + nbytes * ARENA_COPY + reductions * nbytes * ARENA_REDUCE
+
+
+def _exscan_cost(c: Costs, nbytes: int, size: int) -> float:
+    return _prefix_cost(c, nbytes, size, size - 1)  # the last rank combines the p-1 ranks below it
 
 
 @algorithm("scan", "shm", cost=_prefix_cost, direct=True)
@@ -36,7 +42,7 @@ def scan(arena: Arena, buf: np.ndarray, op: Op) -> None:
     _prefix_direct(arena, buf, op, arena.rank + 1)
 
 
-@algorithm("exscan", "shm", cost=_prefix_cost, direct=True)
+@algorithm("exscan", "shm", cost=_exscan_cost, direct=True)
 def exscan(arena: Arena, buf: np.ndarray, op: Op) -> None:
     """Shared-memory exscan: write, publish, combine the slots of ranks 0..r-1 into buf (rank 0: untouched).
 

@@ -4,7 +4,10 @@
 (step + 1, dst) is a message, coloured by the block its data starts in
 (grey for scratch data), and a dot is a combine. `draw_steps` gives one panel
 per step with the ranks on a circle, for teaching: who sends which block to
-whom, step by step.
+whom, step by step. A direct (shared-memory) algorithm sends no messages: `draw`
+shows its arena steps instead, a square where a rank copies into a slot and a
+line from the slot's owner to each rank that copies (solid) or reduces
+(dashed) out of it, coloured by whose slot it is.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ def _colour(block: int, blocks: int) -> Any:
 
 
 def _title(schedule: Schedule) -> str:
+    if schedule.accesses or schedule.arena_steps:
+        return (f"{schedule.collective} {schedule.algorithm}: {schedule.size} ranks, "
+                f"{format_bytes(schedule.nbytes)} per rank,\nno messages: {schedule.arena_steps} arena "
+                f"step{'s' if schedule.arena_steps != 1 else ''}")
     return (f"{schedule.collective} {schedule.algorithm}: {schedule.size} ranks, "
             f"{format_bytes(schedule.nbytes)} per rank, {len(schedule.messages)} messages in "
             f"{schedule.steps} step{'s' if schedule.steps != 1 else ''}")
@@ -60,6 +67,8 @@ def _legend(ax: Any, schedule: Schedule) -> None:
 
 def draw(schedule: Schedule) -> Any:
     """The whole schedule in one figure: ranks are rows, steps are columns. Returns the Figure."""
+    if schedule.arena_steps:
+        return _draw_arena(schedule)
     plt = _pyplot()
     p, steps = schedule.size, max(1, schedule.steps)
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * steps, 0.9 + 0.55 * p))
@@ -85,8 +94,55 @@ def draw(schedule: Schedule) -> Any:
     return fig
 
 
+def _draw_arena(schedule: Schedule) -> Any:
+    """A direct algorithm: per arena step, who copies into whose slot, and who reads it."""
+    from matplotlib.lines import Line2D
+
+    plt = _pyplot()
+    p, steps = schedule.size, max(1, schedule.arena_steps)
+    fig, ax = plt.subplots(figsize=(max(5.5, 2.8 + 1.1 * steps), 1.2 + 0.55 * p))
+    drawn: set[tuple[int, int, int, bool, bool]] = set()
+    for a in schedule.accesses:  # one mark per (step, rank, slot, kind): pieces of one copy are one mark
+        key = (a.step, a.rank, a.owner, a.write, a.combine)
+        if key in drawn or not a.nbytes:
+            continue
+        drawn.add(key)
+        colour = _colour(a.owner, p)
+        if a.write:
+            ax.plot(a.step - 0.2, a.rank, "s", color=colour, markersize=9, markeredgecolor="black",
+                    markeredgewidth=0.5 if a.owner == a.rank else 1.5)
+        else:
+            ax.plot([a.step - 0.2, a.step + 0.25], [a.owner, a.rank], "--" if a.combine else "-", color=colour, lw=1.2)
+            if a.combine:  # the reader combines what it reads
+                ax.plot(a.step + 0.25, a.rank, "o", color="black", markersize=4, zorder=3)
+    ax.set_xlim(-0.6, steps - 0.4)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xticks(range(steps))
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.set_xlabel("arena step (slot set = step % 2)")
+    ax.grid(axis="x", color="0.9")
+    ax.set_title(_title(schedule), fontsize=10)
+    handles = [Line2D([], [], color="0.5", marker="s", lw=0, label="copy into a slot"),
+               Line2D([], [], color="0.5", marker="s", lw=0, markeredgecolor="black", markeredgewidth=1.5,
+                      label="... into another's slot"),
+               Line2D([], [], color="0.5", lw=1.2, label="copy out of it"),
+               Line2D([], [], color="0.5", lw=1.2, ls="--", label="reduce out of it"),
+               *[Line2D([], [], color=_colour(q, p), lw=3, label=f"rank {q}'s slot") for q in range(p)]]
+    if schedule.reductions:
+        handles.append(Line2D([], [], color="black", marker="o", lw=0, markersize=5, label="combine"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
 def draw_steps(schedule: Schedule) -> Any:
-    """One panel per step, the ranks on a circle and that step's messages as arrows. Returns the Figure."""
+    """One panel per step, the ranks on a circle and that step's messages as arrows. Returns the Figure.
+
+    Raises:
+        ValueError: a direct algorithm's schedule (it has no messages: `draw` shows its steps).
+    """
+    if schedule.arena_steps:
+        raise ValueError(f"{schedule.collective} {schedule.algorithm} sends no messages: draw it without --steps")
     plt = _pyplot()
     p, steps = schedule.size, max(1, schedule.steps)
     columns = min(steps, 4)
