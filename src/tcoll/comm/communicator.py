@@ -14,7 +14,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, reductions, uneven
+from . import groups, movement, objects, plans, reductions, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .dispatch import Dispatcher
 
@@ -60,6 +60,25 @@ class Communicator:
     scatter_object = objects.scatter_object
     send_object = objects.send_object
     recv_object = objects.recv_object
+    # Persistent forms (tcoll.comm.plans): the same arguments, checked and bound once; a Plan back.
+    all_reduce_init = plans.initializer(reductions.all_reduce)
+    reduce_init = plans.initializer(reductions.reduce)
+    reduce_scatter_init = plans.initializer(reductions.reduce_scatter)
+    reduce_scatterv_init = plans.initializer(reductions.reduce_scatterv)
+    barrier_init = plans.initializer(reductions.barrier)
+    broadcast_init = plans.initializer(movement.broadcast)
+    all_gather_init = plans.initializer(movement.all_gather)
+    gather_init = plans.initializer(movement.gather)
+    scatter_init = plans.initializer(movement.scatter)
+    all_to_all_init = plans.initializer(movement.all_to_all)
+    all_gatherv_init = plans.initializer(uneven.all_gatherv)
+    gatherv_init = plans.initializer(uneven.gatherv)
+    scatterv_init = plans.initializer(uneven.scatterv)
+    all_to_allv_init = plans.initializer(uneven.all_to_allv)
+    broadcast_object_init = plans.initializer(objects.broadcast_object)
+    all_gather_object_init = plans.initializer(objects.all_gather_object)
+    gather_object_init = plans.initializer(objects.gather_object)
+    scatter_object_init = plans.initializer(objects.scatter_object)
     split = groups.split
     group = groups.group
     dup = groups.dup

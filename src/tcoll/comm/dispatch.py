@@ -40,7 +40,7 @@ from ..shm import blocks, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.heap import heap_of
 from .agreement import Agreement, Running
-from .calls import Call, Program
+from .calls import Call, Prepared, Program
 
 __all__ = ["Dispatcher"]
 
@@ -76,18 +76,52 @@ class Dispatcher:
         self._costs: select.Costs | None = None
         self.agreement = Agreement(engine, world, ctx, self._arena_alarm, self._arena_stale)
         self.closed = False
+        self.capturing = False  # a plan is being made: run() hands back the call instead of running it
+        self.lean: dict[Any, Any] = {}  # the lean path's prepared calls (tcoll.comm.plans.lean_call)
 
     # -- running ---------------------------------------------------------------------
 
     def run(self, call: Call, async_op: bool = False) -> Any:
         """Run one call: its result, or (async_op) a Work whose result() it is."""
+        if self.capturing:
+            return Prepared(call, None, 0, async_op)  # a plan takes the call (tcoll.comm.plans)
         sequence = self._next()
+        try:
+            prepared = self.prepare(call, async_op)
+        except BaseException as exc:
+            self._failed(sequence, call.label, call.stamp(None), None, exc)
+            raise
+        return self._run_prepared(prepared, sequence)
+
+    def prepare(self, call: Call, async_op: bool = False) -> Prepared:
+        """Choose `call`'s algorithm and stamp it, once, to run it any number of times (run_prepared).
+
+        Raises:
+            ValueError: an unknown algorithm, or one that cannot run this call.
+        """
+        info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
+                           call.itemsize)
+        return Prepared(call, info, call.stamp(info.name), async_op)
+
+    def run_prepared(self, prepared: Prepared) -> Any:
+        """Run a prepared call once more: a new sequence number, the same checks across ranks, no new choice."""
+        return self._run_prepared(prepared, self._next())
+
+    def _run_prepared(self, prepared: Prepared, sequence: int) -> Any:
+        call, info = prepared.call, prepared.info
         running = None
         try:
-            info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
-                               call.itemsize)
-            running = self.agreement.begin(sequence, call.label, call.stamp(info.name), info.direct)
-            return self._execute(info, call, running, 0, async_op, [None], settle=True)
+            running = self.agreement.begin(sequence, call.label, prepared.stamp, info.direct)
+            for place, block in call.copies:
+                place[...] = block
+            arena = self.arena
+            if info.direct and arena is not None and not self._stale and call.staged is None:
+                arena.timeout = self.timeout  # the common case, inline: an open arena, one step
+                arena.begin(prepared.stamp, sequence, call.label)
+                info.run(arena, *call.args)
+                self.agreement.end(running)
+                return call.finish(self.size)
+            return self._execute(info, call, running, 0, prepared.async_op, [None], settle=True)
         except BaseException as exc:
             cause = self._cause(running, exc)
             self._failed(sequence, call.label, call.stamp(None), running, cause)
@@ -103,6 +137,8 @@ class Dispatcher:
             head: what the stamp says of the whole call: label, collective and op of its data step, root,
                 and the algorithm asked for (the messages of every step carry it).
         """
+        if self.capturing:
+            return None  # a plan of several steps runs the method anew each time (tcoll.comm.plans)
         sequence = self._next()
         requested = head.algorithm if head.algorithm != "auto" else self._forced.get(head.collective)
         stamp = head.stamp(requested)
@@ -155,6 +191,8 @@ class Dispatcher:
     def run_custom(self, label: str, body: Callable[[Team], Algorithm], async_op: bool = False,
                    root: int = 0) -> Any:
         """Run a call that talks through its Team in its own way (the object collectives)."""
+        if self.capturing:
+            return None  # as run_program
         sequence = self._next()
         stamp = Call(label, (), 0, root=root).stamp(None)
         running = None
@@ -428,6 +466,7 @@ class Dispatcher:
     def close(self) -> None:
         """Release the arena (a sub-communicator's goes with it, not with the world), stop watching."""
         self.closed = True
+        self.lean.clear()
         self.agreement.close()
         arena, self.arena = self.arena, None
         if arena is not None:

@@ -51,7 +51,7 @@ class Engine:
         self.size = size
         self.settings = settings
         self.doorbell = doorbell
-        self.spin = SpinPolicy(settings.spin_us, oversubscribed=False)
+        self.spin = SpinPolicy(settings.spin_us, oversubscribed=False, yield_after_us=settings.spin_yield_us)
         self.channels: list[Channel | None] = [None] * size
         self._active: list[Channel] = []
         self._lock = threading.RLock()
@@ -77,7 +77,8 @@ class Engine:
 
     def set_ranks_on_host(self, count: int) -> None:
         """Tune waiting for `count` ranks sharing this host: more ranks than cores poll less and yield."""
-        self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=count > cpu_count())
+        self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=count > cpu_count(),
+                               yield_after_us=self.settings.spin_yield_us)
 
     def transport_of(self, peer: int) -> str:
         """The name of the transport that serves `peer` ("self" for this rank)."""
@@ -238,8 +239,8 @@ class Engine:
                 spin_start = now  # a pipeline is flowing: the next piece comes soon
                 continue
             if now - spin_start < self.spin.budget_s:
-                if self.spin.yield_while_polling:
-                    os.sched_yield()
+                if now - spin_start >= self.spin.fast_s:
+                    os.sched_yield()  # past the first microseconds: let a rank that shares this core run
                 continue
             blocked = True
             self._block(work, min(deadline, next_liveness) - now)
