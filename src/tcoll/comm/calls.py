@@ -87,12 +87,15 @@ class Prepared:
         info: the algorithm that runs it (None while a plan captures it).
         stamp: its stamp (tcoll.algos.stamps).
         async_op: it runs as a Work.
+        finishes: call.finish has work to do (avg divides, logical ops normalise); else it returns call.result.
     """
 
-    __slots__ = ("call", "info", "stamp", "async_op")
+    __slots__ = ("call", "info", "stamp", "async_op", "finishes")
 
     def __init__(self, call: Call, info: AlgorithmInfo | None, stamp: int, async_op: bool) -> None:
         self.call, self.info, self.stamp, self.async_op = call, info, stamp, async_op
+        op = call.op
+        self.finishes = call.finish_buf is not None and op is not None and type(op).finish is not Op.finish
 
 
 Program = Generator[Call, Any, Any]  # yields a Call per step, gets its result, returns the call's

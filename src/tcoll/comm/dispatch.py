@@ -105,7 +105,10 @@ class Dispatcher:
 
     def run_prepared(self, prepared: Prepared) -> Any:
         """Run a prepared call once more: a new sequence number, the same checks across ranks, no new choice."""
-        return self._run_prepared(prepared, self._next())
+        if self.closed or self.engine.closed:
+            raise TcollError("the communicator is closed")
+        self.sequence += 1  # _next(), inline
+        return self._run_prepared(prepared, self.sequence)
 
     def _run_prepared(self, prepared: Prepared, sequence: int) -> Any:
         call, info = prepared.call, prepared.info
@@ -120,7 +123,7 @@ class Dispatcher:
                 arena.begin(prepared.stamp, sequence, call.label)
                 info.run(arena, *call.args)
                 self.agreement.end(running)
-                return call.finish(self.size)
+                return call.finish(self.size) if prepared.finishes else call.result
             return self._execute(info, call, running, 0, prepared.async_op, [None], settle=True)
         except BaseException as exc:
             cause = self._cause(running, exc)
