@@ -27,7 +27,7 @@ import numpy as np
 from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
 from .channel import Channel
-from .waiting import Doorbell, SpinPolicy, cpu_count
+from .waiting import Doorbell, SpinPolicy, bind_share, cpu_count
 from .matching import Matcher
 from .watch import BlockWatch
 from .work import RecvWork, SendWork, Work
@@ -75,10 +75,19 @@ class Engine:
             self.channels[channel.peer] = channel
             self._active.append(channel)
 
-    def set_ranks_on_host(self, count: int) -> None:
-        """Tune waiting for `count` ranks sharing this host: more ranks than cores poll less and yield."""
-        self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=count > cpu_count(),
+    def set_ranks_on_host(self, count: int, index: int = 0, processes: bool = False) -> None:
+        """Tune waiting for `count` ranks sharing this host: more ranks than cores poll less and yield.
+
+        Args:
+            index: this rank's place among them.
+            processes: they are separate processes (not threads of one): with settings.bind "auto",
+                each keeps to its own share of the cores when there are enough (waiting.bind_share).
+        """
+        oversubscribed = count > cpu_count()
+        self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=oversubscribed,
                                yield_after_us=self.settings.spin_yield_us)
+        if processes and not oversubscribed and self.settings.bind == "auto":
+            bind_share(index, count)
 
     def transport_of(self, peer: int) -> str:
         """The name of the transport that serves `peer` ("self" for this rank)."""

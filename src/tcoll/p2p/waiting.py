@@ -18,7 +18,7 @@ import platform
 import threading
 import time
 
-__all__ = ["Doorbell", "SpinPolicy", "fence", "cpu_count", "FUTEX_AVAILABLE", "FENCE_LOCK"]
+__all__ = ["Doorbell", "SpinPolicy", "fence", "cpu_count", "bind_share", "FUTEX_AVAILABLE", "FENCE_LOCK"]
 
 _FUTEX_SYSCALL = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98,
                   "ppc64le": 221, "s390x": 238, "i686": 240, "i386": 240}.get(platform.machine().lower())
@@ -63,6 +63,29 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+def bind_share(index: int, count: int) -> list[int] | None:
+    """Keep this thread to its share of the usable cores: share `index` of `count` equal ones.
+
+    Two ranks that poll on one core while another idles take turns by time
+    slice; the scheduler puts a woken rank next to the rank that woke it, so
+    communicating ranks drift together. Returns the cores kept, or None when
+    there are fewer cores than shares (or no affinity control): nothing changes.
+    """
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return None
+    if count < 2 or len(cores) < count or not 0 <= index < count:
+        return None
+    per = len(cores) // count
+    mine = cores[index * per:(index + 1) * per]
+    try:
+        os.sched_setaffinity(0, mine)
+    except OSError:  # pragma: no cover - a container that forbids it
+        return None
+    return mine
 
 
 def _address_of(buf: mmap.mmap, offset: int) -> int:
@@ -172,7 +195,7 @@ class SpinPolicy:
 
     MIN_US = 2.0
 
-    def __init__(self, max_us: float, oversubscribed: bool, yield_after_us: float = 5.0) -> None:
+    def __init__(self, max_us: float, oversubscribed: bool, yield_after_us: float = 50.0) -> None:
         self.oversubscribed = oversubscribed
         self.max_s = (min(max_us, 20.0) if oversubscribed else max_us) * 1e-6
         self.budget_s = self.max_s

@@ -61,7 +61,9 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
             for channel in channels.values():
                 engine.add_channel(channel)
         local = sum(1 for other in cards if other["host"] == card["host"])
-        engine.set_ranks_on_host(local)
+        index = sum(1 for other in cards[:rank] if other["host"] == card["host"])
+        processes = any(other["host"] == card["host"] and other["pid"] != card["pid"] for other in cards)
+        engine.set_ranks_on_host(local, index, processes)
     except BaseException:
         engine.close()
         for transport in transports:
