@@ -15,6 +15,7 @@ from .api import (algorithms, all_gather, all_gather_object, all_gatherv, all_re
                   recv, recv_object, reduce, reduce_scatter, reduce_scatterv, scatter, scatter_object, scatterv,
                   send, send_object, split)
 from .comm.communicator import Communicator
+from .comm.plans import Plan
 from .errors import (MessageSizeError, MismatchError, PeerFailedError, PeerLostError, RendezvousError, SpawnError,
                      TcollError, TimeoutError, TransportError)
 from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
@@ -25,7 +26,7 @@ from .startup.spawn import spawn
 __version__ = "0.1.0"
 
 __all__ = [
-    "Communicator", "Work", "Op",
+    "Communicator", "Work", "Op", "Plan",
     "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC",
     "loc_pairs", "algorithms", "explain", "init", "spawn", "default_communicator",
     "TcollError", "RendezvousError", "TimeoutError", "PeerLostError", "PeerFailedError", "MessageSizeError",
