@@ -18,6 +18,7 @@ from .api import (all_to_all_object, exscan, exscan_object, iprobe, irecv_object
                   scan_object, sendrecv, sendrecv_object, sendrecv_replace)
 from .comm.communicator import Communicator
 from .comm.pairs import ANY_SOURCE, ANY_TAG, Status
+from .comm.plans import Plan
 from .errors import (MessageSizeError, MismatchError, PeerFailedError, PeerLostError, RendezvousError, SpawnError,
                      TcollError, TimeoutError, TransportError)
 from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
@@ -28,7 +29,7 @@ from .startup.spawn import spawn
 __version__ = "0.1.0"
 
 __all__ = [
-    "Communicator", "Work", "Op",
+    "Communicator", "Work", "Op", "Plan",
     "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC",
     "loc_pairs", "algorithms", "explain", "init", "spawn", "default_communicator",
     "TcollError", "RendezvousError", "TimeoutError", "PeerLostError", "PeerFailedError", "MessageSizeError",

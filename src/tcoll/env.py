@@ -81,6 +81,11 @@ class Settings:
         eager_limit: unexpected messages up to this size are copied aside at once; larger
             ones wait in their channel until a matching receive is posted (TCOLL_EAGER_LIMIT).
         spin_us: most microseconds a waiting rank polls before it blocks (TCOLL_SPIN_US).
+        spin_yield_us: microseconds a waiting rank polls flat out before each further poll yields
+            the core (sched_yield) to whatever else is runnable on it (TCOLL_SPIN_YIELD_US).
+        bind: "auto": when the ranks of a host (separate processes) are no more than its usable
+            cores, each rank keeps to its own equal share of them, so that two ranks never share a
+            core while another idles; "none": leave placement to the OS (TCOLL_BIND).
         liveness_interval: seconds between checks that blocked-on peers still live (TCOLL_LIVENESS).
         tcp_addr: address to advertise for TCP connections; empty: found from the route
             to the master (TCOLL_TCP_ADDR).
@@ -100,6 +105,8 @@ class Settings:
     shm_chunk: int = 512 << 10
     eager_limit: int = 64 << 10
     spin_us: float = 100.0
+    spin_yield_us: float = 50.0
+    bind: str = "auto"
     liveness_interval: float = 1.0
     tcp_addr: str = ""
     auth_key: str = ""
@@ -114,6 +121,8 @@ class Settings:
         "shm_chunk": ("TCOLL_SHM_CHUNK", parse_size),
         "eager_limit": ("TCOLL_EAGER_LIMIT", parse_size),
         "spin_us": ("TCOLL_SPIN_US", float),
+        "spin_yield_us": ("TCOLL_SPIN_YIELD_US", float),
+        "bind": ("TCOLL_BIND", str),
         "liveness_interval": ("TCOLL_LIVENESS", float),
         "tcp_addr": ("TCOLL_TCP_ADDR", str),
         "auth_key": ("TCOLL_AUTH_KEY", str),
@@ -177,5 +186,7 @@ class Settings:
             raise ValueError(f"coll_chunk must be at least 16 bytes, not {self.coll_chunk}")
         if self.shm_slot < 64:
             raise ValueError(f"shm_slot must be at least 64 bytes, not {self.shm_slot}")
-        if self.spin_us < 0 or self.liveness_interval <= 0:
-            raise ValueError("spin_us must be >= 0 and liveness_interval > 0")
+        if self.bind not in ("auto", "none"):
+            raise ValueError(f"bind must be 'auto' or 'none', not {self.bind!r}")
+        if self.spin_us < 0 or self.spin_yield_us < 0 or self.liveness_interval <= 0:
+            raise ValueError("spin_us and spin_yield_us must be >= 0 and liveness_interval > 0")

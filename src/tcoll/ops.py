@@ -87,6 +87,9 @@ class Op:
         if len(parts) == 1:
             out[...] = parts[0]
             return
+        if self._ufunc is not None and len(parts) == 2:  # the common case: one ufunc call
+            self._ufunc(parts[0], parts[1], out=out)
+            return
         self.combine(parts[0], parts[1], out)
         for part in parts[2:]:
             self.combine(out, part, out)

@@ -168,6 +168,22 @@ def test_check_every_collective_and_algorithm_reports_no_wrong_element(n: int) -
     assert not any(r.error for r in results if r.algorithm == "auto")
 
 
+@pytest.mark.timeout(90)
+def test_persistent_plans_check_clean_and_the_floor_is_timed() -> None:
+    config = BenchConfig(cases=list(CASES), n=3, root=1, sizes=[8, 4096, 70000], repeats=1, iters=3, warmup=1,
+                         check=True, persistent=True, timeout=80)
+    results = aggregate(run_bench(config)["samples"])
+    plans = [r for r in results if r.impl == "tcoll" and r.form == "persistent"]
+    assert {r.case for r in plans} == set(CASES)
+    for r in plans:
+        assert r.variant.endswith("/plan") and r.error is None and r.time, (r.case, r.error)
+        assert r.wrong == (None if r.case == "barrier" else 0), (r.case, r.nbytes)
+    floors = [r for r in results if r.impl == "floor"]
+    assert [r.nbytes for r in floors] == [8, 4096, 70000] and all(r.time > 0 for r in floors)
+    table = format_table(results, "all_reduce").splitlines()
+    assert "floor (us)" in table[0] and "tcoll/floor" in table[0] and any("auto/plan" in line for line in table)
+
+
 @pytest.mark.timeout(60)
 def test_dtypes_and_ops_check_clean() -> None:
     for dtype, op in (("int8", "prod"), ("bfloat16", "max"), ("float64", "min")):
@@ -212,13 +228,13 @@ def test_compare_gloo_and_mpi_run_the_same_checked_collectives() -> None:
                          iters=3, warmup=1, check=True, timeout=100)
     outcome = run_bench(config)
     results = aggregate(outcome["samples"])
-    assert {r.impl for r in results} == {"tcoll", "gloo", "mpi"}
+    assert {r.impl for r in results} == {"tcoll", "gloo", "mpi", "floor"}  # the floor: all_reduce in tcoll's run
     for r in results:
         assert r.error is None and r.time, (r.impl, r.case, r.error)
-        assert r.wrong == (None if r.case == "barrier" else 0), (r.impl, r.case, r.nbytes)
+        assert r.wrong == (None if r.case == "barrier" or r.impl == "floor" else 0), (r.impl, r.case, r.nbytes)
     assert "MPICH" in outcome["info"]["mpi"]["library"]
     line = format_table(results, "all_reduce").splitlines()[1].split()
-    assert len(line) == 8 + 2 * 3 and all(cell != "-" for cell in line[:7])
+    assert len(line) == 8 + 3 * 3 and all(cell != "-" for cell in line[:7])
 
 
 # -- formats -------------------------------------------------------------------------------------------

@@ -29,11 +29,19 @@ def test_sizes_between() -> None:
 def test_run_p2p_measures_both_transports_and_the_reference() -> None:
     rows = run_p2p(["shm", "tcp"], [8, 4096], repeats=1, raw_tcp=True)
     seen = {(row.transport, row.nbytes) for row in rows}
-    assert seen == {("shm", 8), ("shm", 4096), ("tcp", 8), ("tcp", 4096), ("raw-tcp-socket", 4096)}
+    assert seen == {("shm", 8), ("shm", 4096), ("tcp", 8), ("tcp", 4096), ("raw-tcp-socket", 4096),
+                    ("floor", 8), ("floor", 4096)}
     for row in rows:
-        assert row.bandwidth_gbs > 0
+        assert row.transport == "floor" or row.bandwidth_gbs > 0
         if row.transport != "raw-tcp-socket":
             assert 0 < row.rtt_us < 1e6
+
+
+def test_the_floor_column_and_ratio() -> None:
+    rows = [P2PRow("shm", 8, 12.0, 0.001), P2PRow("floor", 8, 3.0, math.nan)]
+    table = format_p2p(rows, ["shm"], markdown=True).splitlines()
+    assert table[0] == "| bytes | shm rtt us | shm GB/s | floor rtt us | shm rtt / floor |"
+    assert table[2] == "| 8 | 12.0 | 0.001 | 3.0 | 4.00 |"
 
 
 def test_table_has_a_line_per_size_and_the_ratio() -> None:
@@ -52,6 +60,7 @@ def test_cli_prints_the_table() -> None:
                             env=env, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert lines[0].split() == ["bytes", "shm", "rtt", "us", "shm", "GB/s"]
+    assert lines[0].split() == ["bytes", "shm", "rtt", "us", "shm", "GB/s", "floor", "rtt", "us", "shm", "rtt", "/",
+                                "floor"]
     assert [line.split()[0] for line in lines[1:]] == ["8", "64"]
     assert "# machine:" in result.stderr

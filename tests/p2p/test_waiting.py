@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 
-from tcoll.p2p.waiting import Doorbell, SpinPolicy
+from tcoll.p2p.waiting import Doorbell, SpinPolicy, bind_share
 
 
 @pytest.mark.timeout(30)
@@ -80,3 +81,43 @@ def test_oversubscribed_caps_and_yields() -> None:
     assert policy.budget_s <= 20e-6
     assert policy.yield_while_polling
     assert not SpinPolicy(max_us=100, oversubscribed=False).yield_while_polling
+
+
+def test_polls_yield_after_the_flat_out_part() -> None:
+    assert SpinPolicy(max_us=100, oversubscribed=False, yield_after_us=7).fast_s == pytest.approx(7e-6)
+    assert SpinPolicy(max_us=100, oversubscribed=True, yield_after_us=7).fast_s == 0.0
+
+
+def run_binding(index: int, count: int) -> tuple[list[int] | None, list[int]]:
+    return bind_share(index, count), sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux affinity")
+def test_bind_share_keeps_equal_disjoint_shares_and_leaves_too_few_cores_alone() -> None:
+    import multiprocessing
+
+    cores = sorted(os.sched_getaffinity(0))
+    context = multiprocessing.get_context("fork")  # binding changes the process: not this one
+    if len(cores) >= 2:
+        per = len(cores) // 2
+        with context.Pool(1) as pool:
+            assert pool.apply(run_binding, (1, 2)) == (cores[per:2 * per], cores[per:2 * per])
+    with context.Pool(1) as pool:
+        assert pool.apply(run_binding, (0, len(cores) + 1)) == (None, cores)
+
+
+def report_cores(comm: object) -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.timeout(120)
+def test_ranks_of_one_host_keep_to_their_cores() -> None:
+    import tcoll
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    got = tcoll.spawn(report_cores, 2, timeout=60)
+    assert got[0] and got[1] and not set(got[0]) & set(got[1])
+    assert tcoll.spawn(report_cores, 2, timeout=60, env={"TCOLL_BIND": "none"}) == [cores, cores]
+    assert tcoll.spawn(report_cores, 2, threads=True, timeout=60) == [cores, cores]  # threads: left alone

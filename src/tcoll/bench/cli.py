@@ -2,7 +2,7 @@
 
     tcoll bench p2p [-b 8] [-e 256M] [-f 4] [--transports shm,tcp]
     tcoll bench all_reduce -n 4 -b 8 -e 256M -f 4 [-d float32] [-o sum] [--check]
-        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi] [--load K]
+        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi] [--load K] [--persistent]
         [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
 """
 
@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load", type=int, default=0, metavar="K",
                        help="run K busy processes during the whole measurement")
     group.add_argument("--plot", metavar="FILE.png", help="plot busbw and time vs size (needs matplotlib)")
+    group.add_argument("--persistent", action="store_true",
+                       help="also time tcoll's persistent form (a plan from comm.<case>_init, run per call)")
+    group.add_argument("--no-floor", dest="floor", action="store_false",
+                       help="all_reduce: skip the floor column (bare Python over shared-memory flags, same run)")
     group.add_argument("--timeout", type=float, default=1800.0,
                        help="seconds one implementation's sweep may take (default 1800)")
     group = parser.add_argument_group("p2p")
@@ -142,7 +146,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(cases=cases, n=args.nranks, sizes=sizes, dtype=args.dtype, op=args.op, root=args.root,
                        algorithm=args.algorithm, buffers=buffers, compare=_targets(args.compare),
                        repeats=args.repeats, iters=args.iters, warmup=args.warmup, check=args.check,
-                       timeout=args.timeout)
+                       timeout=args.timeout, persistent=args.persistent, floor=args.floor)
 
 
 def _header(config: BenchConfig, load: int) -> dict[str, Any]:
@@ -230,9 +234,12 @@ def format_p2p(rows: list[P2PRow], transports: list[str], markdown: bool = False
     by_key = {(row.transport, row.nbytes): row for row in rows}
     sizes = sorted({row.nbytes for row in rows})
     raw = any(row.transport == "raw-tcp-socket" for row in rows)
+    floor = "shm" in transports and any(row.transport == "floor" for row in rows)
     header = ["bytes"]
     for name in transports:
         header += [f"{name} rtt us", f"{name} GB/s"]
+    if floor:
+        header += ["floor rtt us", "shm rtt / floor"]
     if raw:
         header += ["raw tcp GB/s"]
         if "shm" in transports:
@@ -243,6 +250,10 @@ def format_p2p(rows: list[P2PRow], transports: list[str], markdown: bool = False
         for name in transports:
             row = by_key.get((name, nbytes))
             cells += [_fmt(row.rtt_us, 1) if row else "-", _fmt(row.bandwidth_gbs, 3) if row else "-"]
+        if floor:
+            bare, shm = by_key.get(("floor", nbytes)), by_key.get(("shm", nbytes))
+            cells += [_fmt(bare.rtt_us, 1) if bare else "-",
+                      _fmt(shm.rtt_us / bare.rtt_us, 2) if bare and shm and bare.rtt_us else "-"]
         if raw:
             ref = by_key.get(("raw-tcp-socket", nbytes))
             cells.append(_fmt(ref.bandwidth_gbs, 3) if ref else "-")

@@ -4,7 +4,9 @@ For each transport asked for (shm, tcp), two rank processes measure, for every
 message size, the round trip of a ping-pong and the bandwidth of a stream of
 messages (a window of isends, then a 1-byte acknowledgement, as osu_bw does).
 A plain TCP loopback socket between two processes is measured in the same run
-as the reference the shm transport is compared with.
+as the reference the shm transport's bandwidth is compared with, and the
+bare-Python round trip over shared-memory flags (tcoll.bench.floor) as the
+reference of its latency.
 """
 
 from __future__ import annotations
@@ -85,20 +87,34 @@ def _stream(comm: Any, buf: np.ndarray, iters: int) -> float:
     return rounds * window * buf.nbytes / elapsed
 
 
-def measure_pair(comm: Any, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+def measure_pair(comm: Any, sizes: list[int], repeats: int, floor: bool = False) -> list[dict[str, Any]]:
     """Run on both ranks of a 2-rank communicator; rank 0 returns the rows.
 
     Buffers are filled before timing: an untouched np.zeros buffer maps the
-    kernel's zero page and reads unrealistically fast.
+    kernel's zero page and reads unrealistically fast. With `floor`, each
+    size's bare-Python round trip (tcoll.bench.floor) is timed too, in turn
+    with tcoll's, up to FLOOR_BYTES.
     """
+    from .floor import FLOOR_BYTES, FloorSegment, measure_floor
+
+    floor_sizes = [n for n in sizes if n <= FLOOR_BYTES] if floor else []
+    segment = FloorSegment(comm, max(floor_sizes)) if floor_sizes else None
     rows = []
-    for nbytes in sizes:
-        buf = np.full(nbytes, 7, dtype=np.uint8)
-        iters = _iterations(nbytes)
-        _pingpong(comm, buf, 3)  # warm-up: first touches, spin policy
-        rtts = [_pingpong(comm, buf, iters) for _ in range(repeats)]
-        rates = [_stream(comm, buf, iters) for _ in range(repeats)]
-        rows.append({"nbytes": nbytes, "rtt": rtts, "bw": rates})
+    try:
+        for nbytes in sizes:
+            buf = np.full(nbytes, 7, dtype=np.uint8)
+            iters = _iterations(nbytes)
+            _pingpong(comm, buf, 3)  # warm-up: first touches, spin policy
+            rtts, floors = [], []
+            for _ in range(repeats):
+                rtts.append(_pingpong(comm, buf, iters))
+                if segment is not None and nbytes in floor_sizes:
+                    floors.append(measure_floor(comm, "p2p", buf, iters, segment))
+            rates = [_stream(comm, buf, iters) for _ in range(repeats)]
+            rows.append({"nbytes": nbytes, "rtt": rtts, "bw": rates, "floor": floors})
+    finally:
+        if segment is not None:
+            segment.close()
     return rows if comm.rank == 0 else []
 
 
@@ -159,10 +175,13 @@ def run_p2p(transports: list[str], sizes: list[int], repeats: int = 3, raw_tcp: 
 
     rows: list[P2PRow] = []
     for transport in transports:
-        results = spawn(measure_pair, 2, (sizes, repeats), timeout=timeout, transport=transport)
+        results = spawn(measure_pair, 2, (sizes, repeats, transport == "shm"), timeout=timeout, transport=transport)
         for item in results[0]:
             rows.append(P2PRow(transport, item["nbytes"], statistics.median(item["rtt"]) * 1e6,
                                statistics.median(item["bw"]) / 1e9, {"rtt": item["rtt"], "bw": item["bw"]}))
+            if item["floor"]:
+                rows.append(P2PRow("floor", item["nbytes"], statistics.median(item["floor"]) * 1e6, float("nan"),
+                                   {"rtt": item["floor"]}))
     if raw_tcp:
         for item in raw_tcp_pair([n for n in sizes if n >= 1024], repeats):
             rows.append(P2PRow("raw-tcp-socket", item["nbytes"], float("nan"),

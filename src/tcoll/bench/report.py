@@ -41,6 +41,7 @@ class Result:
     times: list[float]
     wrong: int | None = None
     error: str | None = None
+    form: str = "call"
 
     @property
     def time(self) -> float | None:
@@ -65,8 +66,8 @@ class Result:
 
     @property
     def variant(self) -> str:
-        """How tcoll ran: the algorithm, with "/shm" for comm.empty buffers."""
-        return self.algorithm + ("/shm" if self.buffers == "shm" else "")
+        """How tcoll ran: the algorithm, with "/shm" for comm.empty buffers and "/plan" for a persistent plan."""
+        return self.algorithm + ("/shm" if self.buffers == "shm" else "") + ("/plan" if self.form == "persistent" else "")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(dataclasses.asdict(self), time=self.time, min_time=self.min_time, algbw=self.algbw,
@@ -77,11 +78,11 @@ def aggregate(samples: Iterable[dict[str, Any]]) -> list[Result]:
     """Results from the samples of every repeat, in first-measured order; #wrong is the worst repeat."""
     found: dict[tuple[Any, ...], Result] = {}
     for s in samples:
-        key = (s["case"], s["impl"], s["algorithm"], s["buffers"], s["nbytes"])
+        key = (s["case"], s["impl"], s["algorithm"], s["buffers"], s.get("form", "call"), s["nbytes"])
         result = found.get(key)
         if result is None:
             result = found[key] = Result(s["case"], s["impl"], s["algorithm"], s["buffers"], s["nbytes"],
-                                         s["count"], s["dtype"], s["op"], s["n"], [])
+                                         s["count"], s["dtype"], s["op"], s["n"], [], form=s.get("form", "call"))
         if s.get("time") is not None:
             result.times.append(s["time"])
         elif s.get("error") and result.error is None:

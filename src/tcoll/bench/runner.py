@@ -95,6 +95,8 @@ class BenchConfig:
     warmup: int | None = None
     check: bool = False
     timeout: float = 1800.0
+    persistent: bool = False  # tcoll also runs each job as a persistent plan (comm.<case>_init)
+    floor: bool = True  # all_reduce: the bare-Python floor (bench.floor) in tcoll's processes
 
 
 def tcoll_algorithms(case: str, algorithm: str) -> list[str]:
@@ -114,7 +116,9 @@ def make_jobs(config: BenchConfig, impl: str) -> list[dict[str, Any]]:
     for case in config.cases:
         for algorithm in tcoll_algorithms(case, config.algorithm):
             for buffers in config.buffers[:1] if case == "barrier" else config.buffers:  # no buffers to place
-                jobs.append({"case": case, "label": "tcoll", "algorithm": algorithm, "buffers": buffers})
+                for form in ("call", "persistent") if config.persistent else ("call",):
+                    jobs.append({"case": case, "label": "tcoll", "algorithm": algorithm, "buffers": buffers,
+                                 "form": form})
     return jobs
 
 
@@ -122,7 +126,8 @@ def make_plan(config: BenchConfig, impl: str, progress: str | None = None) -> di
     """The plan an implementation's ranks run (JSON-able)."""
     return {"impl": impl, "n": config.n, "jobs": make_jobs(config, impl), "sizes": list(config.sizes),
             "dtype": config.dtype, "op": config.op, "root": config.root, "iters": config.iters,
-            "warmup": config.warmup, "check": config.check, "progress": progress}
+            "warmup": config.warmup, "check": config.check, "progress": progress,
+            "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases}
 
 
 def measurements(plan: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -188,13 +193,14 @@ def measure(backend: Backend, job: dict[str, Any], nbytes: int, plan: dict[str, 
     iters = plan["iters"] or iterations(lay.nbytes)
     warm = max(1, warmups(iters) if plan["warmup"] is None else plan["warmup"])
     row = {"case": case.name, "label": job["label"], "algorithm": job["algorithm"], "buffers": job["buffers"],
-           "nbytes": lay.nbytes, "count": lay.count, "dtype": plan["dtype"],
+           "form": job.get("form", "call"), "nbytes": lay.nbytes, "count": lay.count, "dtype": plan["dtype"],
            "op": plan["op"] if case.reduces else "none", "n": backend.size, "iters": iters, "warmup": warm,
            "time": None, "wrong": None, "error": None}
     bufs = make_buffers(case, lay, p, backend.allocator(job))
     fill(bufs, pattern, backend.rank)
     try:
-        call = backend.bind(case, bufs, p)
+        call = backend.bind(case, bufs, p, job["form"]) if job.get("form", "call") != "call" else \
+            backend.bind(case, bufs, p)
         call()  # the first warm-up call: an implementation that cannot run this call says so here
     except backend.recoverable as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"
@@ -229,6 +235,19 @@ def sweep(backend: Backend, plan: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+class _PlanMaker:
+    """Stands in for a communicator in a case's call: the call makes the collective's plan instead."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.plan = comm, None
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        def make(*args: Any, **kwargs: Any) -> None:
+            self.plan = getattr(self.comm, f"{name}_init")(*args, **kwargs)
+
+        return make
+
+
 class TcollBackend(Backend):
     """tcoll on one rank of a `tcoll.spawn`."""
 
@@ -253,7 +272,11 @@ class TcollBackend(Backend):
             return lambda shape, dtype: self.comm.empty(shape, dtype)
         return super().allocator(job)
 
-    def bind(self, case: BenchCase, bufs: Buffers, p: Params) -> Callable[[], Any]:
+    def bind(self, case: BenchCase, bufs: Buffers, p: Params, form: str = "call") -> Callable[[], Any]:
+        if form == "persistent":  # the case's call, made once through comm.<case>_init: its plan runs it
+            maker = _PlanMaker(self.comm)
+            case.tcoll(maker, bufs, p, p.op)()
+            return maker.plan
         return case.tcoll(self.comm, bufs, p, p.op)
 
     def info(self) -> dict[str, Any]:
@@ -270,7 +293,34 @@ def tcoll_worker(comm: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
     warnings.filterwarnings("ignore", r"(overflow|invalid value) encountered", RuntimeWarning)
     backend = TcollBackend(comm)
     rows = sweep(backend, plan)
+    if plan.get("floor"):
+        rows += floor_rows(comm, plan)
     return {"rows": rows, "info": backend.info()} if comm.rank == 0 else None
+
+
+def floor_rows(comm: Any, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The bare-Python floor of all_reduce (sum) at each size up to FLOOR_BYTES, in tcoll's rank processes."""
+    from .floor import FLOOR_BYTES, FloorSegment, measure_floor
+
+    dtype = resolve_dtype(plan["dtype"])
+    sizes = [n for n in plan["sizes"] if dtype.itemsize <= n <= FLOOR_BYTES]
+    if not sizes or comm.size < 2:
+        return []
+    segment = FloorSegment(comm, max(sizes))
+    rows = []
+    try:
+        for nbytes in sizes:
+            count = nbytes // dtype.itemsize
+            buf = np.ones(count, dtype)
+            iters = plan["iters"] or iterations(count * dtype.itemsize)
+            seconds = measure_floor(comm, "all_reduce", buf, iters, segment)
+            rows.append({"case": "all_reduce", "label": "floor", "algorithm": "floor", "buffers": "plain",
+                         "form": "call", "nbytes": count * dtype.itemsize, "count": count, "dtype": plan["dtype"],
+                         "op": plan["op"], "n": comm.size, "iters": iters, "warmup": iters // 10, "time": seconds,
+                         "wrong": None, "error": None, "impl": "floor"})
+    finally:
+        segment.close()
+    return rows
 
 
 def run_tcoll(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -389,5 +439,5 @@ def _run_one(config: BenchConfig, impl: str, repeat: int, path: str, progress: A
         if watch is not None:
             watch.close()
     info[impl] = result.get("info", {})
-    samples.extend(dict(row, impl=impl, repeat=repeat) for row in result["rows"])
+    samples.extend(dict(row, impl=row.get("impl", impl), repeat=repeat) for row in result["rows"])
 

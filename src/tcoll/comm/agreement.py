@@ -118,7 +118,8 @@ class Agreement:
         if self._look_first:
             self._look_first = False
             self.engine.poll()  # late messages of the call before raise their alarms now
-        watch.high = max(watch.high, sequence)
+        if sequence > watch.high:
+            watch.high = sequence
         running = Running(sequence, label, stamp, quiet)
         watch.calls[sequence] = running
         ahead = self._ahead.pop(sequence, None) if self._ahead else None

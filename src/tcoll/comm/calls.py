@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..algos.stamps import stamp
 from ..ops import Op
 
-__all__ = ["Call", "Program", "numbered"]
+if TYPE_CHECKING:
+    from ..algos.registry import AlgorithmInfo
+
+__all__ = ["Call", "Prepared", "Program", "numbered"]
 
 
 class Call:
@@ -38,16 +41,19 @@ class Call:
             place (copied there first) and direct ones take as their last argument.
         dtype, count, root: what the stamp says of the data (every rank must pass the same).
         contributions: how many ranks' data finish_buf holds, for op.finish (None: every rank's).
+        copies: (place, block) pairs copied at the start of every run, before the algorithm (this
+            rank's own block of an output, which no algorithm moves).
     """
 
     __slots__ = ("collective", "args", "nbytes", "label", "op", "itemsize", "uneven", "algorithm", "result",
-                 "finish_buf", "staged", "dtype", "count", "root", "contributions")
+                 "finish_buf", "staged", "dtype", "count", "root", "contributions", "copies")
 
     def __init__(self, collective: str, args: tuple[Any, ...], nbytes: int, *, label: str | None = None,
                  op: Op | None = None, itemsize: int = 1, uneven: bool = False, algorithm: str = "auto",
                  result: Any = None, finish_buf: np.ndarray | None = None,
                  staged: tuple[np.ndarray, np.ndarray] | None = None, dtype: np.dtype | None = None,
-                 count: int = 0, root: int = 0, contributions: int | None = None) -> None:
+                 count: int = 0, root: int = 0, contributions: int | None = None,
+                 copies: tuple[tuple[np.ndarray, np.ndarray], ...] = ()) -> None:
         self.collective = collective
         self.args = args
         self.nbytes = nbytes
@@ -63,6 +69,7 @@ class Call:
         self.count = count
         self.root = root
         self.contributions = contributions
+        self.copies = copies
 
     def stamp(self, algorithm: str | None) -> int:
         """The call's stamp with the algorithm that runs it (tcoll.algos.stamps)."""
@@ -73,6 +80,25 @@ class Call:
         if self.finish_buf is not None and self.op is not None:
             self.op.finish(self.finish_buf, size if self.contributions is None else self.contributions)
         return self.result
+
+
+class Prepared:
+    """A call whose algorithm is chosen and whose stamp is computed, to run again and again.
+
+    Attributes:
+        call: the call (its buffers bound).
+        info: the algorithm that runs it (None while a plan captures it).
+        stamp: its stamp (tcoll.algos.stamps).
+        async_op: it runs as a Work.
+        finishes: call.finish has work to do (avg divides, logical ops normalise); else it returns call.result.
+    """
+
+    __slots__ = ("call", "info", "stamp", "async_op", "finishes")
+
+    def __init__(self, call: Call, info: AlgorithmInfo | None, stamp: int, async_op: bool) -> None:
+        self.call, self.info, self.stamp, self.async_op = call, info, stamp, async_op
+        op = call.op
+        self.finishes = call.finish_buf is not None and op is not None and type(op).finish is not Op.finish
 
 
 Program = Generator[Call, Any, Any]  # yields a Call per step, gets its result, returns the call's
@@ -95,7 +121,7 @@ def numbered(label: str) -> Callable[[_Method], _Method]:
             try:
                 return fn(comm, *args, **kwargs)
             except Exception as exc:
-                if dispatcher.sequence == before:
+                if dispatcher.sequence == before and not dispatcher.capturing:  # (a plan's checks: local)
                     dispatcher.failed_unnumbered(label, exc)
                 raise
 

@@ -14,7 +14,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, pairs, parcels, prefix, reductions, uneven
+from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .dispatch import Dispatcher
 
@@ -72,6 +72,27 @@ class Communicator:
     sendrecv_replace = pairs.sendrecv_replace
     probe = pairs.probe
     iprobe = pairs.iprobe
+    # Persistent forms (tcoll.comm.plans): the same arguments, checked and bound once; a Plan back.
+    all_reduce_init = plans.initializer(reductions.all_reduce)
+    reduce_init = plans.initializer(reductions.reduce)
+    reduce_scatter_init = plans.initializer(reductions.reduce_scatter)
+    reduce_scatterv_init = plans.initializer(reductions.reduce_scatterv)
+    barrier_init = plans.initializer(reductions.barrier)
+    broadcast_init = plans.initializer(movement.broadcast)
+    all_gather_init = plans.initializer(movement.all_gather)
+    gather_init = plans.initializer(movement.gather)
+    scatter_init = plans.initializer(movement.scatter)
+    all_to_all_init = plans.initializer(movement.all_to_all)
+    all_gatherv_init = plans.initializer(uneven.all_gatherv)
+    gatherv_init = plans.initializer(uneven.gatherv)
+    scatterv_init = plans.initializer(uneven.scatterv)
+    all_to_allv_init = plans.initializer(uneven.all_to_allv)
+    broadcast_object_init = plans.initializer(objects.broadcast_object)
+    all_gather_object_init = plans.initializer(objects.all_gather_object)
+    gather_object_init = plans.initializer(objects.gather_object)
+    scatter_object_init = plans.initializer(objects.scatter_object)
+    scan_init = plans.initializer(prefix.scan)
+    exscan_init = plans.initializer(prefix.exscan)
     split = groups.split
     group = groups.group
     dup = groups.dup

@@ -30,18 +30,17 @@ import numpy as np
 
 from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,  # noqa: F401 - registers
                      reduce, reduce_scatter, scan, scatter)
-from ..algos import select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
 from ..errors import MismatchError, TcollError, TransportError
-from ..ops import Op
 from ..p2p import timeline
 from ..p2p.engine import Engine
 from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.heap import heap_of
 from .agreement import Agreement, Running
-from .calls import Call, Program
+from .choice import Chooser
+from .calls import Call, Prepared, Program
 
 __all__ = ["Dispatcher"]
 
@@ -76,27 +75,64 @@ class Dispatcher:
         self.sequence = 0  # collective calls so far
         self.arena: Arena | None = None
         self._stale = False  # a call failed since the arena was opened: the next direct call opens a new one
-        self._forced = engine.settings.forced_algorithms()  # TCOLL_ALGO: {collective: algorithm} for "auto"
-        self._choices: dict[tuple[Any, ...], AlgorithmInfo] = {}
-        self._direct_ok: bool | None = None
-        self._costs: select.Costs | None = None
+        self.chooser = Chooser(engine, world)
+        # Bound once: every call asks (tcoll.comm.choice).
+        self.choose, self.costs, self.direct_capable = (self.chooser.choose, self.chooser.costs,
+                                                        self.chooser.direct_capable)
         self.agreement = Agreement(engine, world, ctx, self._arena_alarm, self._arena_stale)
         self.closed = False
+        self.capturing = False  # a plan is being made: run() hands back the call instead of running it
+        self.lean: dict[Any, Any] = {}  # the lean path's prepared calls (tcoll.comm.plans.lean_call)
 
     # -- running ---------------------------------------------------------------------
 
     def run(self, call: Call, async_op: bool = False) -> Any:
         """Run one call: its result, or (async_op) a Work whose result() it is."""
+        if self.capturing:
+            return Prepared(call, None, 0, async_op)  # a plan takes the call (tcoll.comm.plans)
         sequence = self._next()
+        try:
+            prepared = self.prepare(call, async_op)
+        except BaseException as exc:
+            self._failed(sequence, call.label, call.stamp(None), None, exc)
+            raise
+        return self._run_prepared(prepared, sequence)
+
+    def prepare(self, call: Call, async_op: bool = False) -> Prepared:
+        """Choose `call`'s algorithm and stamp it, once, to run it any number of times (run_prepared).
+
+        Raises:
+            ValueError: an unknown algorithm, or one that cannot run this call.
+        """
+        info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
+                           call.itemsize)
+        return Prepared(call, info, call.stamp(info.name), async_op)
+
+    def run_prepared(self, prepared: Prepared) -> Any:
+        """Run a prepared call once more: a new sequence number, the same checks across ranks, no new choice."""
+        if self.closed or self.engine.closed:
+            raise TcollError("the communicator is closed")
+        self.sequence += 1  # _next(), inline
+        return self._run_prepared(prepared, self.sequence)
+
+    def _run_prepared(self, prepared: Prepared, sequence: int) -> Any:
+        call, info = prepared.call, prepared.info
         running = None
         try:
-            info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
-                               call.itemsize)
-            running = self.agreement.begin(sequence, call.label, call.stamp(info.name), info.direct)
-            began = timeline.now_us() if self.engine.timeline is not None else 0.0
-            result = self._execute(info, call, running, 0, async_op, [None], settle=True)
-            if self.engine.timeline is not None:
-                self.engine.timeline.call(call.label, began, result, _traced(call, info.name, sequence))
+            running = self.agreement.begin(sequence, call.label, prepared.stamp, info.direct)
+            for place, block in call.copies:
+                place[...] = block
+            line, arena = self.engine.timeline, self.arena
+            if line is None and info.direct and arena is not None and not self._stale and call.staged is None:
+                arena.timeout = self.timeout  # the common case, inline: an open arena, one step
+                arena.begin(prepared.stamp, sequence, call.label)
+                info.run(arena, *call.args)
+                self.agreement.end(running)
+                return call.finish(self.size) if prepared.finishes else call.result
+            began = timeline.now_us() if line is not None else 0.0
+            result = self._execute(info, call, running, 0, prepared.async_op, [None], settle=True)
+            if line is not None:
+                line.call(call.label, began, result, _traced(call, info.name, sequence))
             return result
         except BaseException as exc:
             cause = self._cause(running, exc)
@@ -113,8 +149,10 @@ class Dispatcher:
             head: what the stamp says of the whole call: label, collective and op of its data step, root,
                 and the algorithm asked for (the messages of every step carry it).
         """
+        if self.capturing:
+            return None  # a plan of several steps runs the method anew each time (tcoll.comm.plans)
         sequence = self._next()
-        requested = head.algorithm if head.algorithm != "auto" else self._forced.get(head.collective)
+        requested = head.algorithm if head.algorithm != "auto" else self.chooser.forced(head.collective)
         stamp = head.stamp(requested)
         running = None
         try:
@@ -175,6 +213,8 @@ class Dispatcher:
     def run_custom(self, label: str, body: Callable[[Team], Algorithm], async_op: bool = False,
                    root: int = 0) -> Any:
         """Run a call that talks through its Team in its own way (the object collectives)."""
+        if self.capturing:
+            return None  # as run_program
         sequence = self._next()
         stamp = Call(label, (), 0, root=root).stamp(None)
         running = None
@@ -311,75 +351,6 @@ class Dispatcher:
         self.sequence += 1
         return self.sequence
 
-    # -- choosing ----------------------------------------------------------------------
-
-    def choose(self, collective: str, algorithm: str, nbytes: int, op: Op | None = None, uneven: bool = False,
-               blocking: bool = False, itemsize: int = 1) -> AlgorithmInfo:
-        """The algorithm to run: the one asked for (checked), or the cost model's choice (cached).
-
-        Args:
-            blocking: the call waits for its result here, so a direct algorithm may
-                run it (when every rank shares this host).
-            itemsize: bytes per element of a reduction (a share of a shared-memory
-                slot must hold one element per rank).
-
-        Raises:
-            ValueError: an unknown algorithm, or one that cannot run this call.
-        """
-        ordered = op is not None and not op.commutative
-        key = (collective, algorithm, nbytes, ordered, uneven, blocking, itemsize)
-        info = self._choices.get(key)
-        if info is None:
-            direct = blocking and self.direct_capable()
-            if direct and itemsize * self.size > self.engine.settings.shm_slot:
-                if algorithm == "shm":
-                    raise ValueError(f"{collective} algorithm 'shm': items of {itemsize} B do not fit the "
-                                     f"shared-memory slot of {self.size} ranks; raise TCOLL_SHM_SLOT")
-                direct = False
-            info = self._resolve(collective, algorithm, nbytes, ordered, uneven, direct, blocking)
-            if len(self._choices) >= 4096:
-                self._choices.clear()
-            self._choices[key] = info
-        return info
-
-    def _resolve(self, collective: str, algorithm: str, nbytes: int, ordered: bool, uneven: bool, direct: bool,
-                 blocking: bool) -> AlgorithmInfo:
-        if algorithm == "auto":
-            forced = self._forced.get(collective, "auto")
-            if forced != "auto" and _can_run(lookup(collective, forced), ordered, uneven, direct):
-                algorithm = forced  # else auto: a forced algorithm that cannot run this call falls back
-        if algorithm == "auto":
-            return select.choose(collective, nbytes, self.size, self.costs(), ordered=ordered, uneven=uneven,
-                                 direct=direct)
-        if not isinstance(algorithm, str):
-            raise TypeError(f"algorithm must be a name, not {type(algorithm).__name__}")
-        info = lookup(collective, algorithm)
-        if ordered and not info.ordered:
-            raise ValueError(f"{collective} algorithm {algorithm!r} reorders operands; the op is not "
-                             "commutative (choose one of "
-                             f"{', '.join(i.name for i in select.eligible(collective, ordered=True))})")
-        if uneven and not info.uneven:
-            raise ValueError(f"{collective} algorithm {algorithm!r} needs equal counts on every rank")
-        if not direct and info.direct:
-            why = ("it runs only blocking calls (async_op=False)" if not blocking else
-                   "it needs every rank of the communicator on this host, connected by shared memory")
-            raise ValueError(f"{collective} algorithm {algorithm!r} cannot run this call: {why}")
-        return info
-
-    def costs(self) -> select.Costs:
-        """The cost model of this communicator's slowest kind of link (found once: links do not change)."""
-        if self._costs is None:
-            kinds = {self.engine.transport_of(peer) for peer in self.world if peer != self.engine.rank}
-            slowest = next((kind for kind in ("tcp", "shm", "loopback") if kind in kinds), "shm")
-            self._costs = select.COSTS[slowest]
-        return self._costs
-
-    def direct_capable(self) -> bool:
-        """Whether every rank shares this host, so that direct algorithms can run (found once)."""
-        if self._direct_ok is None:
-            self._direct_ok = Arena.usable(self.engine, self.world)
-        return self._direct_ok
-
     # -- the arena ---------------------------------------------------------------------
 
     def _arena(self, running: Running, teams: list[Team | None]) -> Arena:
@@ -460,6 +431,7 @@ class Dispatcher:
     def close(self) -> None:
         """Release the arena (a sub-communicator's goes with it, not with the world), stop watching."""
         self.closed = True
+        self.lean.clear()
         self.agreement.close()
         arena, self.arena = self.arena, None
         if arena is not None:
@@ -482,7 +454,3 @@ class Dispatcher:
         info = self._resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
         return self.run(Call(collective, args, 0, algorithm=info.name), async_op)
 
-
-def _can_run(info: AlgorithmInfo, ordered: bool, uneven: bool, direct: bool) -> bool:
-    """Whether `info` can run a call that needs rank order / uneven counts, and may run direct."""
-    return (info.ordered or not ordered) and (info.uneven or not uneven) and (direct or not info.direct)

@@ -17,6 +17,7 @@ from ..errors import MismatchError
 from . import describe
 from .calls import Call, Program, numbered
 from .checks import apart, check_peer, output, stacked_chunks
+from .plans import lean_entry, lean_run
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -41,11 +42,16 @@ def broadcast(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "au
         ValueError: root out of range; x not contiguous, or read-only off the root.
         TypeError: x is not a buffer.
     """
+    key = (id(x), "broadcast", root, algorithm)
+    if not async_op:
+        prepared = lean_entry(comm, key, x)
+        if prepared is not None:  # the same buffer and arguments as a recent call: checked then
+            return comm._dispatch.run_prepared(prepared)
     check_peer(root, comm.size, "root")
     flat = as_array(x, writable=comm.rank != root, what="broadcast buffer").reshape(-1)
     call = Call("broadcast", (flat, root), flat.nbytes, algorithm=algorithm, result=x, dtype=flat.dtype,
                 count=flat.size, root=root)
-    return comm._dispatch.run(call, async_op)
+    return comm._dispatch.run(call, True) if async_op else lean_run(comm, key, x, call)
 
 
 @numbered("all_gather")
@@ -99,13 +105,13 @@ def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algori
     arr = as_array(x, writable=False, what="gather input")
     send = arr.reshape(-1)
     count = arr.size
-    user_out, out_flat = None, None
+    user_out, out_flat, copies = None, None, ()
     if comm.rank == root:
         user_out, out_flat = output(x, arr, out, (comm.size, *arr.shape), "gather")
         send = apart(send, out_flat)
-        out_flat[root * count:(root + 1) * count] = send
+        copies = ((out_flat[root * count:(root + 1) * count], send),)
     call = Call("gather", (send, out_flat, [count] * comm.size, root), arr.nbytes, algorithm=algorithm,
-                result=user_out, dtype=arr.dtype, count=count, root=root)
+                result=user_out, dtype=arr.dtype, count=count, root=root, copies=copies)
     return comm._dispatch.run(call, async_op)
 
 
@@ -195,8 +201,7 @@ def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     send = apart(arr.reshape(-1), out_flat)
     count = send.size // comm.size
     mine = slice(comm.rank * count, (comm.rank + 1) * count)
-    out_flat[mine] = send[mine]
     counts = [count] * comm.size
     call = Call("all_to_all", (send, out_flat, counts, counts), send.nbytes, algorithm=algorithm, result=user_out,
-                dtype=send.dtype, count=send.size)
+                dtype=send.dtype, count=send.size, copies=((out_flat[mine], send[mine]),))
     return comm._dispatch.run(call, async_op)

@@ -18,6 +18,7 @@ import numpy as np
 from ..ops import Op
 from .calls import Call, numbered
 from .checks import apart, check_peer, output, reduction_input, row_counts
+from .plans import lean_entry, lean_run
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -44,10 +45,15 @@ def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: s
         TypeError: the op does not apply to the dtype; x is not a buffer.
         ValueError: x is not contiguous or is read-only; unknown algorithm.
     """
+    key = (id(x), "all_reduce", op, algorithm)
+    if not async_op:
+        prepared = lean_entry(comm, key, x)
+        if prepared is not None:  # the same buffer and arguments as a recent call: checked then
+            return comm._dispatch.run_prepared(prepared)
     flat, resolved = reduction_input(x, op, "all_reduce buffer")
     call = Call("all_reduce", (flat, resolved), flat.nbytes, op=resolved, itemsize=flat.itemsize,
                 algorithm=algorithm, result=x, finish_buf=flat, dtype=flat.dtype, count=flat.size)
-    return comm._dispatch.run(call, async_op)
+    return comm._dispatch.run(call, True) if async_op else lean_run(comm, key, x, call)
 
 
 @numbered("reduce")
@@ -68,13 +74,18 @@ def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, a
     Raises:
         TypeError, ValueError: as all_reduce; root out of range.
     """
+    key = (id(x), "reduce", root, op, algorithm)
+    if not async_op:
+        prepared = lean_entry(comm, key, x)
+        if prepared is not None:
+            return comm._dispatch.run_prepared(prepared)
     check_peer(root, comm.size, "root")
     arr, resolved = reduction_input(x, op, "reduce buffer", writable=comm.rank == root)
     flat = arr.reshape(-1)
     call = Call("reduce", (flat, resolved, root), flat.nbytes, op=resolved, itemsize=flat.itemsize,
                 algorithm=algorithm, result=x, finish_buf=flat if comm.rank == root else None, dtype=flat.dtype,
                 count=flat.size, root=root)
-    return comm._dispatch.run(call, async_op)
+    return comm._dispatch.run(call, True) if async_op else lean_run(comm, key, x, call)
 
 
 @numbered("reduce_scatter")
@@ -154,4 +165,10 @@ def barrier(comm: Communicator, *, algorithm: str = "auto", async_op: bool = Fal
         algorithm: "auto", or one of tcoll.algorithms("barrier").
         async_op: return a Work instead of waiting.
     """
-    return comm._dispatch.run(Call("barrier", (), 0, algorithm=algorithm), async_op)
+    if async_op or comm._dispatch.capturing:
+        return comm._dispatch.run(Call("barrier", (), 0, algorithm=algorithm), async_op)
+    prepared = comm._dispatch.lean.get(("barrier", algorithm))
+    if prepared is None:
+        prepared = comm._dispatch.lean[("barrier", algorithm)] = comm._dispatch.prepare(
+            Call("barrier", (), 0, algorithm=algorithm))
+    return comm._dispatch.run_prepared(prepared)

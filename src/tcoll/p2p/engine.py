@@ -28,7 +28,7 @@ from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
 from . import notice, timeline
 from .channel import Channel
-from .waiting import Doorbell, SpinPolicy, cpu_count
+from .waiting import Doorbell, SpinPolicy, bind_share, cpu_count
 from .matching import Matcher
 from .watch import BlockWatch
 from .work import RecvWork, SendWork, Work
@@ -52,7 +52,7 @@ class Engine:
         self.size = size
         self.settings = settings
         self.doorbell = doorbell
-        self.spin = SpinPolicy(settings.spin_us, oversubscribed=False)
+        self.spin = SpinPolicy(settings.spin_us, oversubscribed=False, yield_after_us=settings.spin_yield_us)
         self.channels: list[Channel | None] = [None] * size
         self._active: list[Channel] = []
         self._lock = threading.RLock()
@@ -78,9 +78,19 @@ class Engine:
             self.channels[channel.peer] = channel
             self._active.append(channel)
 
-    def set_ranks_on_host(self, count: int) -> None:
-        """Tune waiting for `count` ranks sharing this host: more ranks than cores poll less and yield."""
-        self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=count > cpu_count())
+    def set_ranks_on_host(self, count: int, index: int = 0, processes: bool = False) -> None:
+        """Tune waiting for `count` ranks sharing this host: more ranks than cores poll less and yield.
+
+        Args:
+            index: this rank's place among them.
+            processes: they are separate processes (not threads of one): with settings.bind "auto",
+                each keeps to its own share of the cores when there are enough (waiting.bind_share).
+        """
+        oversubscribed = count > cpu_count()
+        self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=oversubscribed,
+                               yield_after_us=self.settings.spin_yield_us)
+        if processes and not oversubscribed and self.settings.bind == "auto":
+            bind_share(index, count)
 
     def transport_of(self, peer: int) -> str:
         """The name of the transport that serves `peer` ("self" for this rank)."""
@@ -296,8 +306,8 @@ class Engine:
                 spin_start = now  # a pipeline is flowing: the next piece comes soon
                 continue
             if now - spin_start < self.spin.budget_s:
-                if self.spin.yield_while_polling:
-                    os.sched_yield()
+                if now - spin_start >= self.spin.fast_s:
+                    os.sched_yield()  # past the first microseconds: let a rank that shares this core run
                 continue
             blocked = True
             self._block(work, min(deadline, next_liveness) - now)

@@ -35,7 +35,7 @@ import numpy as np
 from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
 from ..p2p import notice
-from ..p2p.waiting import Doorbell, fence
+from ..p2p.waiting import FENCE_LOCK, Doorbell
 from ..segments import SHM_DIR, Segment, segment_name
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ _DESC_WORDS = 8  # per rank and set: call stamp (2 words), sequence, zero-copy b
 _WORD = (1 << 64) - 1
 ADDRESS_BYTES = 128  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>"
 _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
+_fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
 
 
 class Arena:
@@ -156,7 +157,8 @@ class Arena:
     def publish(self, step: int) -> None:
         """Say this rank wrote its part of `step` and read everything before it; wake sleepers."""
         self._counters[self.rank] = step + 1
-        fence()
+        _fence_acquire()  # fence(), inline
+        _fence_release()
         for bell in self._bells:
             if bell.sleepers:
                 bell.wake()
@@ -186,9 +188,12 @@ class Arena:
 
     def first_step(self, heap_ref: tuple[int, int, int] | None = None) -> int:
         """Claim the call's first step and describe the call (and this rank's zero-copy buffer) in it."""
-        step = self.claim()
+        step = self.step  # claim(), inline: every call passes here
+        self.step = step + 1
+        if step >= 1 and min(self._counters) < step:
+            self._wait(step, None)
         self.first = step
-        at = self._desc_at(step, self.rank)
+        at = ((step % SETS) * self.size + self.rank) * _DESC_WORDS
         desc = self._desc
         desc[at] = self.stamp & _WORD
         desc[at + 1] = self.stamp >> 64
@@ -201,7 +206,8 @@ class Arena:
 
     def agree(self, step: int) -> None:
         """Wait until every rank published the call's first `step`; raise MismatchError if one described another."""
-        self.wait_all(step)
+        if min(self._counters) <= step:  # wait_all(step), inline
+            self._wait(step + 1, None)
         desc = self._desc
         base = (step % SETS) * self.size * _DESC_WORDS
         low, high, sequence = self.stamp & _WORD, self.stamp >> 64, self.sequence
@@ -269,7 +275,7 @@ class Arena:
         engine = self._engine
         spin = engine.spin
         start = time.monotonic()
-        budget, polite = spin.budget_s, spin.yield_while_polling
+        budget, fast = spin.budget_s, spin.fast_s
         if rank is None:
             def ready() -> bool:
                 return min(counters) >= target or self.alarm is not None
@@ -277,17 +283,19 @@ class Arena:
             def ready() -> bool:
                 return counters[rank] >= target or self.alarm is not None
         polls = 0
-        while time.monotonic() - start < budget:
+        waited = 0.0
+        while waited < budget:
             if ready():
-                spin.record(time.monotonic() - start, False)
+                spin.record(waited, False)
                 if self.alarm is not None:
                     raise self._fail(self.alarm)
                 return
             polls += 1
             if polls % _POLLS_PER_PROGRESS == 0:
                 engine.poll()  # point-to-point too: a notice or late message about this call raises its alarm
-            elif polite:
-                os.sched_yield()
+            elif waited >= fast:
+                os.sched_yield()  # past the first microseconds: let a rank that shares this core run
+            waited = time.monotonic() - start
         deadline = start + self.timeout
         interval = engine.settings.liveness_interval
         next_probe = start + interval

@@ -66,7 +66,9 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
             for channel in channels.values():
                 engine.add_channel(channel)
         neighbours = [other for other in cards if other["host"] == card["host"]]
-        engine.set_ranks_on_host(len(neighbours))
+        index = sum(1 for other in cards[:rank] if other["host"] == card["host"])
+        processes = any(other["pid"] != card["pid"] for other in neighbours)
+        engine.set_ranks_on_host(len(neighbours), index, processes)
         # Zero-copy buffers are found through /proc/<pid>: only where every rank of the host sees every pid.
         engine.host_shares_pids = all(other["pidns"] == card["pidns"] and card["pidns"] for other in neighbours)
     except BaseException:

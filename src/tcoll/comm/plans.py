@@ -1,0 +1,203 @@
+"""Persistent collectives (MPI-4's MPI_Allreduce_init and kin) and the lean path of repeated calls.
+
+A *plan* is a collective call checked and bound once and run many times:
+
+    plan = comm.all_reduce_init(x, op="sum")
+    for step in range(steps):
+        x[...] = local_gradient()
+        plan()                        # blocking: the shared-memory arena on one host
+    plan.start(); ...; plan.wait()    # or started now, waited for later (a Work, point-to-point)
+
+Making the plan runs the collective method's argument checks, allocates its
+output (if the call has one), chooses the algorithm and computes the call's
+stamp; each run is then only the data movement. Every run still takes the
+next sequence number, and its messages and arena descriptors carry the
+stamp, so a rank whose plan differs, or that runs something else at that
+point, is a MismatchError on every rank, as for an ordinary call. The
+blocking form and start() are different calls to the other ranks (as
+`async_op` is): make the same one on every rank. A plan's checks are local:
+one that fails raises on that rank only and takes no sequence number.
+
+A call of several steps (scatter, the v-collectives and the object
+collectives) and a call whose input had to be copied (its input overlaps
+its output) are checked again at every run: they have no fixed buffers to bind.
+
+The *lean path* gives ordinary blocking calls the same saving when they
+repeat: all_reduce, reduce, broadcast and barrier keep the prepared call of
+up to LEAN_ENTRIES recent buffers of at most LEAN_BYTES, keyed by the
+buffer's identity and the call's arguments and re-validated by shape, dtype
+and flags at each call (a cached buffer stays referenced until it drops out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..buffers import as_array
+from ..errors import TcollError
+from ..p2p.work import Work
+from .calls import Call, Prepared
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "lean_entry", "lean_run"]
+
+LEAN_BYTES = 1 << 20  # buffers up to this size take the lean path: above it the call's bookkeeping is noise
+LEAN_ENTRIES = 32
+
+
+class Plan:
+    """A persistent collective: one call's checks, buffers, algorithm and stamp, bound once (see the module).
+
+    Made by `comm.<collective>_init(...)` with the collective's own arguments
+    (async_op excepted). Call it (or `run()`) for a blocking run; `start()`
+    and `wait()` for a started one.
+
+    Attributes:
+        result: what the collective returns: its output buffer, which every run of a bound plan
+            writes (an unbound plan's last result).
+        bound: True if the runs skip the checks (single-step calls on fixed buffers).
+    """
+
+    def __init__(self, comm: Communicator, method: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        if "async_op" in kwargs:
+            raise TypeError("a plan runs blocking (plan() or plan.run()) or started (plan.start()): "
+                            "it takes no async_op")
+        self._comm, self._method, self._args, self._kwargs = comm, method, args, kwargs
+        self._forms: dict[bool, Prepared | None] = {}
+        self._work: Work | None = None
+        self._blocking = self._form(False)
+        self.result: Any = self._blocking.call.result if self._blocking is not None else None
+        self.bound = self._blocking is not None
+
+    def _form(self, async_op: bool) -> Prepared | None:
+        """The prepared call of the blocking or started form; None: it is checked at every run."""
+        if async_op in self._forms:
+            return self._forms[async_op]
+        dispatcher = self._comm._dispatch
+        dispatcher.capturing = True
+        try:
+            got = self._method(self._comm, *self._args, async_op=async_op, **self._kwargs)
+        finally:
+            dispatcher.capturing = False
+        prepared = None
+        if isinstance(got, Prepared) and got.info is None and _bound(got.call, self._buffers()):
+            prepared = dispatcher.prepare(got.call, async_op)
+        self._forms[async_op] = prepared
+        return prepared
+
+    def _buffers(self) -> list[np.ndarray]:
+        """The arrays the caller passed (and will refill between runs)."""
+        found = []
+        for value in (*self._args, *self._kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                try:
+                    found.append(as_array(item, writable=False))
+                except (TypeError, ValueError):
+                    pass
+        return found
+
+    def run(self) -> Any:
+        """Run the plan once, blocking; returns its result."""
+        if self._work is not None and not self._work.done():
+            raise TcollError("this plan was started and not waited for: call plan.wait() first")
+        if self._blocking is not None:
+            return self._comm._dispatch.run_prepared(self._blocking)
+        self.result = self._method(self._comm, *self._args, **self._kwargs)
+        return self.result
+
+    __call__ = run  # plan(): the same, one Python call less
+
+    def start(self) -> Work:
+        """Start a run (it proceeds while this rank does other work); returns its Work, which wait() waits for."""
+        if self._work is not None and not self._work.done():
+            raise TcollError("this plan is running already: call plan.wait() before starting it again")
+        prepared = self._form(True)
+        if prepared is not None:
+            self._work = self._comm._dispatch.run_prepared(prepared)
+        else:
+            self._work = self._method(self._comm, *self._args, async_op=True, **self._kwargs)
+        return self._work
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the run start() began; returns its result."""
+        work = self._work
+        if work is None:
+            raise TcollError("this plan was not started")
+        result = work.wait(timeout)
+        self._work = None
+        return result
+
+    def __repr__(self) -> str:
+        state = "bound" if self.bound else "checked at every run"
+        return f"<tcoll.Plan {getattr(self._method, '__name__', '?')} ({state})>"
+
+
+def _bound(call: Call, buffers: list[np.ndarray]) -> bool:
+    """Whether every array of `call` lies in the caller's buffers or in its result (nothing was copied)."""
+    mine = list(buffers)
+    if call.result is not None:
+        try:
+            mine.append(as_array(call.result, writable=False))
+        except (TypeError, ValueError):
+            pass
+    copied = [array for pair in call.copies for array in pair]
+    arrays = [a for a in (*call.args, *(call.staged or ()), *copied) if isinstance(a, np.ndarray) and a.size]
+    return all(any(np.may_share_memory(a, b) for b in mine) for a in arrays)
+
+
+def initializer(method: Callable[..., Any]) -> Callable[..., Plan]:
+    """The `<collective>_init` method of a collective method: the same arguments, a Plan back."""
+
+    def init(comm: Communicator, *args: Any, **kwargs: Any) -> Plan:
+        return Plan(comm, method, args, kwargs)
+
+    name = getattr(method, "__name__", "collective")
+    init.__name__ = init.__qualname__ = f"{name}_init"
+    init.__doc__ = (f"A persistent {name}: the arguments of {name} (no async_op), checked and bound once.\n\n"
+                    "Returns:\n    A tcoll.Plan: plan() runs it blocking, plan.start() / plan.wait() started.\n")
+    return init
+
+
+# -- the lean path of ordinary calls ---------------------------------------------------------------
+
+
+class _Lean:
+    """One remembered call: its buffer (kept alive, so that its id stays its own) and what was checked."""
+
+    __slots__ = ("x", "shape", "dtype", "prepared")
+
+    def __init__(self, x: np.ndarray, prepared: Prepared) -> None:
+        self.x, self.shape, self.dtype, self.prepared = x, x.shape, x.dtype, prepared
+
+
+def lean_entry(comm: Communicator, key: Any, x: Any) -> Prepared | None:
+    """The prepared call remembered for `key` if `x` is still the buffer it was checked for, as it was."""
+    dispatcher = comm._dispatch
+    try:
+        entry = dispatcher.lean.get(key)
+    except TypeError:  # an unhashable argument: the checks will say what is wrong with it
+        return None
+    if entry is None or dispatcher.capturing or entry.x is not x or x.shape != entry.shape or x.dtype != entry.dtype:
+        return None
+    flags = x.flags
+    return entry.prepared if flags.writeable and flags.c_contiguous else None
+
+
+def lean_run(comm: Communicator, key: Any, x: Any, call: Call) -> Any:
+    """Prepare a checked blocking call, remember it for `key` (a small NumPy buffer `x`), and run it."""
+    dispatcher = comm._dispatch
+    if dispatcher.capturing:
+        return dispatcher.run(call)
+    prepared = dispatcher.prepare(call, False)
+    if type(x) is np.ndarray and x.nbytes <= LEAN_BYTES:
+        lean = dispatcher.lean
+        if len(lean) >= LEAN_ENTRIES:
+            lean.clear()
+        lean[key] = _Lean(x, prepared)
+    return dispatcher.run_prepared(prepared)
