@@ -58,6 +58,8 @@ class Settings:
         liveness_interval: seconds between checks that blocked-on peers still live (TCOLL_LIVENESS).
         tcp_addr: address to advertise for TCP connections; empty: found from the route
             to the master (TCOLL_TCP_ADDR).
+        socket_ifname: interfaces TCP may use, as NCCL_SOCKET_IFNAME spells them: "eth0",
+            "=eth0" (exact), "^lo,docker0" (excluded) (TCOLL_SOCKET_IFNAME).
         algorithms: forced algorithm choices for algorithm="auto", e.g.
             "all_reduce=ring,broadcast=chain" (TCOLL_ALGO).
         coll_chunk: bytes per message of the pipelined collective algorithms (ring,
@@ -76,6 +78,7 @@ class Settings:
     spin_us: float = 100.0
     liveness_interval: float = 1.0
     tcp_addr: str = ""
+    socket_ifname: str = ""
     auth_key: str = ""
     coll_chunk: int = 1 << 20
     shm_slot: int = 1 << 20
@@ -90,6 +93,7 @@ class Settings:
         "spin_us": ("TCOLL_SPIN_US", float),
         "liveness_interval": ("TCOLL_LIVENESS", float),
         "tcp_addr": ("TCOLL_TCP_ADDR", str),
+        "socket_ifname": ("TCOLL_SOCKET_IFNAME", str),
         "auth_key": ("TCOLL_AUTH_KEY", str),
         "coll_chunk": ("TCOLL_COLL_CHUNK", parse_size),
         "shm_slot": ("TCOLL_SHM_SLOT", parse_size),

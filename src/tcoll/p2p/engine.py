@@ -27,6 +27,7 @@ import numpy as np
 from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
 from .channel import Channel
+from .hosts import HostMap
 from .waiting import Doorbell, SpinPolicy, cpu_count
 from .matching import Matcher
 from .watch import BlockWatch
@@ -66,6 +67,7 @@ class Engine:
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
+        self.hosts = HostMap.single(size)  # which ranks share a host: set from the rendezvous cards
 
     # -- setup ---------------------------------------------------------------
 
@@ -322,6 +324,9 @@ class Engine:
         with self._lock:
             if peer in self._lost:
                 return
+            if self.hosts.count > 1 and "host " not in error.detail:
+                # Between hosts a lost link usually means a lost host: say which, and who else was on it.
+                error = PeerLostError(peer, f"{error.detail} ({self.hosts.describe([peer])})")
             self._lost[peer] = error
             channel = self.channels[peer]
             if channel is not None:

@@ -15,11 +15,12 @@ from typing import Any
 from ..env import Settings
 from ..errors import TransportError
 from ..p2p.engine import Engine
+from ..p2p.hosts import HostMap, host_identity
 from ..p2p.waiting import Doorbell
 from ..store.base import Store
 from ..transport.base import Card, Transport
 from ..transport.loopback import LoopbackTransport
-from ..transport.shm import ShmTransport, host_identity
+from ..transport.shm import ShmTransport
 from ..transport.tcp import TcpTransport
 from .rendezvous import exchange_cards
 
@@ -60,8 +61,8 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
             channels = transport.connect(peers, cards, store.prefix(transport.name), settings.timeout)
             for channel in channels.values():
                 engine.add_channel(channel)
-        local = sum(1 for other in cards if other["host"] == card["host"])
-        engine.set_ranks_on_host(local)
+        engine.hosts = HostMap([other["host"] for other in cards])
+        engine.set_ranks_on_host(len(engine.hosts.local_ranks(rank)))
     except BaseException:
         engine.close()
         for transport in transports:
