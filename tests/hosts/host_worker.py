@@ -1,0 +1,138 @@
+"""A rank of a job across namespace-hosts (started by `tcoll run` in each host; see tests/hosts).
+
+Usage: host_worker.py OUT_DIR [torch]
+
+Checks the host map against the launcher's layout (nodes of TCOLL_LOCAL_SIZE
+ranks), the transport of every pair, split_type("host") and leaders(); runs
+every algorithm of every collective, the uneven and object collectives, and
+(with "torch") the torch backend's all_reduce, all against NumPy. Writes its
+failures to OUT_DIR/rank<R>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+import tcoll
+from comm.test_collectives import MOVEMENTS, REDUCTIONS, _cases, run_movement, run_reduction
+from helpers.cases import MATRIX
+
+
+def check_topology(comm: tcoll.Communicator) -> list[str]:
+    """The host map, transports, host-local and leaders' communicators match the launcher's layout."""
+    per_host = int(os.environ["TCOLL_LOCAL_SIZE"])
+    nhosts = int(os.environ["TCOLL_NNODES"])
+    failures = []
+    hosts = comm.hosts
+    want = [r // per_host for r in range(comm.size)]
+    if hosts.count != nhosts or hosts.host_of != want:
+        failures.append(f"host map {hosts!r}, want hosts {want}")
+    for peer in range(comm.size):
+        if peer != comm.rank:
+            kind = "shm" if want[peer] == want[comm.rank] else "tcp"
+            if comm.transport(peer) != kind:
+                failures.append(f"rank {peer} is reached over {comm.transport(peer)}, want {kind}")
+    local = comm.split_type("host")
+    if local.size != per_host or local.rank != comm.rank % per_host:
+        failures.append(f"split_type('host') gave rank {local.rank} of {local.size}")
+    total = local.all_reduce(np.array([comm.rank], dtype=np.int64))
+    if total[0] != sum(r for r in range(comm.size) if want[r] == want[comm.rank]):
+        failures.append(f"host-local all_reduce gave {total}")
+    leaders = comm.leaders()
+    if (leaders is not None) != (comm.rank % per_host == 0):
+        failures.append(f"leaders() gave {leaders} on local rank {comm.rank % per_host}")
+    if leaders is not None:
+        got = leaders.all_gather(np.array([comm.rank], dtype=np.int64))
+        if got.ravel().tolist() != [h * per_host for h in range(nhosts)]:
+            failures.append(f"leaders are {got.ravel().tolist()}")
+    return failures
+
+
+def check_every_algorithm(comm: tcoll.Communicator) -> list[str]:
+    """Every algorithm of every collective, over the network (no shared-memory direct ones across hosts)."""
+    failures: list[str] = []
+    pairs = [("sum", np.dtype(np.float32)), ("max", np.dtype(np.int64)), ("matmul", MATRIX)]
+    direct = comm.hosts.count == 1
+    for collective, algorithm in _cases(REDUCTIONS, direct=direct):
+        failures += run_reduction(comm, collective, algorithm, pairs, (1, 300))
+    for collective, algorithm in _cases(MOVEMENTS, direct=direct):
+        failures += run_movement(comm, collective, algorithm, [np.dtype(np.float64), np.dtype(np.int8)], (1, 300))
+    for _, algorithm in _cases(["barrier"], direct=direct):
+        comm.barrier(algorithm=algorithm)
+    return failures
+
+
+def check_uneven_and_objects(comm: tcoll.Communicator) -> list[str]:
+    """The v-collectives and the object collectives."""
+    failures = []
+    p, rank = comm.size, comm.rank
+    rows = [r + 1 for r in range(p)]
+    blocks = [np.full((rows[r], 2), r, dtype=np.float64) for r in range(p)]
+    if not np.array_equal(np.concatenate(comm.all_gatherv(blocks[rank])), np.concatenate(blocks)):
+        failures.append("all_gatherv")
+    gathered = comm.gatherv(blocks[rank], root=p - 1)
+    if rank == p - 1 and not np.array_equal(np.concatenate(gathered), np.concatenate(blocks)):
+        failures.append("gatherv")
+    got = comm.scatterv(blocks if rank == 0 else None, root=0)
+    if not np.array_equal(got, blocks[rank]):
+        failures.append("scatterv")
+    chunks = [np.full(r + rank + 1, rank * 10 + r, dtype=np.int32) for r in range(p)]
+    got = comm.all_to_allv(chunks)
+    if not all(np.array_equal(got[s], np.full(rank + s + 1, s * 10 + rank, dtype=np.int32)) for s in range(p)):
+        failures.append("all_to_allv")
+    x = np.arange(sum(rows), dtype=np.int64) * (rank + 1)
+    part = comm.reduce_scatterv(x, rows)
+    lo = sum(rows[:rank])
+    if not np.array_equal(part, np.arange(lo, lo + rows[rank], dtype=np.int64) * (p * (p + 1) // 2)):
+        failures.append("reduce_scatterv")
+    if comm.broadcast_object({"from": 0, "rank": rank}, root=0) != {"from": 0, "rank": 0}:
+        failures.append("broadcast_object")
+    if comm.all_gather_object(("rank", rank)) != [("rank", r) for r in range(p)]:
+        failures.append("all_gather_object")
+    return failures
+
+
+def check_torch(comm: tcoll.Communicator) -> list[str]:
+    """The torch backend's all_reduce across the hosts."""
+    import torch
+    import torch.distributed as dist
+
+    import tcoll.torch  # noqa: F401 - registers the backend
+
+    dist.init_process_group("tcoll")
+    try:
+        t = torch.arange(1000, dtype=torch.float32) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        p = dist.get_world_size()
+        want = np.arange(1000, dtype=np.float32) * (p * (p + 1) / 2)
+        return [] if np.allclose(t.numpy(), want) else [f"torch all_reduce gave {t[:4]}"]
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    comm = tcoll.init()
+    failures: list[str] = []
+    for check in (check_topology, check_every_algorithm, check_uneven_and_objects):
+        try:
+            failures += check(comm)
+        except Exception:  # noqa: BLE001 - reported to the test with its traceback
+            failures.append(f"{check.__name__}: {traceback.format_exc()}")
+    if "torch" in sys.argv[2:]:
+        try:
+            failures += check_torch(comm)
+        except Exception:  # noqa: BLE001
+            failures.append(f"check_torch: {traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{comm.rank}.json"), "w") as handle:
+        json.dump({"failures": failures, "hosts": comm.hosts.host_of}, handle)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Jobs across hosts that are really separate: network namespaces with their own hostname and /dev/shm.
+
+Each test builds namespace-hosts (tests/helpers/netns.py) and runs
+`tcoll run --nnodes N --node-rank R --master ADDR:PORT -n P` in each. The one
+skip: where namespaces cannot be made (not root).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import netns
+
+WORKER = str(Path(__file__).with_name("host_worker.py"))
+
+pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+
+
+def _run_job(tmp_path: Path, nhosts: int, nprocs: int, extra: list[str], timeout: float) -> None:
+    with netns.namespace_hosts(nhosts) as hosts:
+        procs = hosts.tcoll_run(nprocs, [WORKER, str(tmp_path), *extra], env={"TCOLL_TIMEOUT": "60"})
+        results = netns.wait_all(procs, timeout)
+    outputs = "\n".join(f"--- host {i} (exit {code}):\n{out[-3000:]}" for i, (code, out) in enumerate(results))
+    assert all(code == 0 for code, _ in results), outputs
+    for rank in range(nhosts * nprocs):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["failures"] == [], f"rank {rank}: {found['failures']}\n{outputs}"
+
+
+@pytest.mark.timeout(150)
+def test_two_hosts_of_two_ranks_every_collective_and_torch(tmp_path: Path) -> None:
+    _run_job(tmp_path, 2, 2, ["torch"], 130)
+
+
+@pytest.mark.timeout(120)
+def test_three_hosts_of_one_rank_every_collective(tmp_path: Path) -> None:
+    _run_job(tmp_path, 3, 1, [], 100)
