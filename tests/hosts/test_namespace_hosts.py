@@ -8,11 +8,13 @@ skip: where namespaces cannot be made (not root).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from helpers import netns
+from helpers.procs import wait_file
 
 WORKER = str(Path(__file__).with_name("host_worker.py"))
 
@@ -38,3 +40,22 @@ def test_two_hosts_of_two_ranks_every_collective_and_torch(tmp_path: Path) -> No
 @pytest.mark.timeout(120)
 def test_three_hosts_of_one_rank_every_collective(tmp_path: Path) -> None:
     _run_job(tmp_path, 3, 1, [], 100)
+
+
+@pytest.mark.timeout(90)
+def test_link_down_is_peer_lost_within_ten_seconds_naming_the_hosts_ranks(tmp_path: Path) -> None:
+    """A host's link goes down mid-collective: the other host's ranks get PeerLostError naming its ranks."""
+    worker = str(Path(__file__).with_name("link_worker.py"))
+    with netns.namespace_hosts(2) as hosts:
+        hosts.tcoll_run(2, [worker, str(tmp_path)], env={"TCOLL_TIMEOUT": "40"})
+        for rank in range(4):
+            wait_file(tmp_path / f"ready{rank}", 60)
+        down_at = time.time()
+        hosts.link_down(1)
+        for rank in (0, 1):
+            wait_file(tmp_path / f"rank{rank}.json", 30)
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["error"] in ("PeerLostError", "PeerFailedError"), found
+        assert "ranks 2, 3" in found["text"], found
+        assert found["at"] - down_at < 10, f"rank {rank} noticed after {found['at'] - down_at:.1f} s: {found}"
