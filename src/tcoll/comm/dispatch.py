@@ -30,7 +30,7 @@ import numpy as np
 
 from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,  # noqa: F401 - registers
                      reduce, reduce_scatter, scatter)
-from ..algos import select
+from ..algos import hierarchy, select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
 from ..errors import MismatchError, TcollError, TransportError
@@ -74,6 +74,7 @@ class Dispatcher:
         self._choices: dict[tuple[Any, ...], AlgorithmInfo] = {}
         self._direct_ok: bool | None = None
         self._costs: select.Costs | None = None
+        self._topology: select.Topology | None | bool = False  # False: not found yet
         self.agreement = Agreement(engine, world, ctx, self._arena_alarm, self._arena_stale)
         self.closed = False
 
@@ -318,7 +319,7 @@ class Dispatcher:
                 algorithm = forced
         if algorithm == "auto":
             return select.choose(collective, nbytes, self.size, self.costs(), ordered=ordered, uneven=uneven,
-                                 direct=direct)
+                                 direct=direct, topology=self.topology())
         if not isinstance(algorithm, str):
             raise TypeError(f"algorithm must be a name, not {type(algorithm).__name__}")
         info = lookup(collective, algorithm)
@@ -334,8 +335,19 @@ class Dispatcher:
             raise ValueError(f"{collective} algorithm {algorithm!r} cannot run this call: {why}")
         return info
 
+    def topology(self) -> select.Topology | None:
+        """The hosts of this communicator as the cost model sees them (None: one host; found once)."""
+        if self._topology is False:
+            hosts = self.engine.hosts.restrict(self.world)
+            per_host = max(len(hosts.members(h)) for h in range(hosts.count))
+            self._topology = hierarchy.topology_of(hosts.count, per_host, self.engine.link_latency)
+        return self._topology  # type: ignore[return-value]
+
     def costs(self) -> select.Costs:
         """The cost model of this communicator's slowest kind of link (found once: links do not change)."""
+        topology = self.topology()
+        if topology is not None:
+            return topology.inter
         if self._costs is None:
             kinds = {self.engine.transport_of(peer) for peer in self.world if peer != self.engine.rank}
             slowest = next((kind for kind in ("tcp", "shm", "loopback") if kind in kinds), "shm")

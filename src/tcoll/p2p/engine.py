@@ -68,6 +68,7 @@ class Engine:
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
         self.hosts = HostMap.single(size)  # which ranks share a host: set from the rendezvous cards
+        self.link_latency = 0.0  # seconds a message takes between hosts, measured and agreed at connect
 
     # -- setup ---------------------------------------------------------------
 
