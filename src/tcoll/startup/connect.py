@@ -63,12 +63,28 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
                 engine.add_channel(channel)
         engine.hosts = HostMap([other["host"] for other in cards])
         engine.set_ranks_on_host(len(engine.hosts.local_ranks(rank)))
+        if engine.hosts.count > 1:
+            engine.link_latency = _agreed_latency(engine, store, rank, size, settings.timeout)
     except BaseException:
         engine.close()
         for transport in transports:
             transport.close()
         raise
     return engine, transports
+
+
+def _agreed_latency(engine: Engine, store: Store, rank: int, size: int, timeout: float) -> float:
+    """Seconds one message takes between hosts: half the largest round trip any rank's kernel measured.
+
+    Every rank publishes the largest smoothed round-trip time of its connections to other hosts
+    (the handshakes gave the kernel a few samples); all take the largest, so the cost model's
+    choices, which rest on it, are the same on every rank.
+    """
+    mine = max((channel.round_trip() for channel in engine.channels
+                if channel is not None and hasattr(channel, "round_trip")), default=0.0)
+    store.set(f"latency/{rank}", repr(mine).encode())
+    found = store.multi_get([f"latency/{r}" for r in range(size)], timeout)
+    return max(float(value) for value in found) / 2
 
 
 def _allowed(forced: str) -> list[type[Transport]]:

@@ -133,6 +133,15 @@ class TcpChannel(Channel):
         if code:
             raise PeerLostError(self.peer, f"connection failed: {os.strerror(code)}")
 
+    def round_trip(self) -> float:
+        """The kernel's smoothed round-trip time of this connection, in seconds (0.0 if unknown)."""
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        except (OSError, AttributeError):
+            return 0.0
+        # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_rtt (microseconds) is the 16th u32.
+        return int.from_bytes(info[68:72], "little") * 1e-6 if len(info) >= 72 else 0.0
+
     def close(self) -> None:
         """Stop watching the socket and close it (idempotent)."""
         if self.closed:
