@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["Settings", "parse_size", "TRANSPORT_CHOICES"]
 
-TRANSPORT_CHOICES = ("auto", "shm", "tcp")
+TRANSPORT_CHOICES = ("auto", "shm", "tcp", "mpi")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
 _SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk", "shm_slot")
@@ -47,7 +47,9 @@ class Settings:
 
     Attributes:
         timeout: seconds any blocking wait may take before `tcoll.TimeoutError` (TCOLL_TIMEOUT).
-        transport: "auto" (shm between ranks of one host, else tcp), "shm" or "tcp" (TCOLL_TRANSPORT).
+        transport: "auto" (shm between ranks of one host, else tcp), "shm", "tcp" or "mpi" (TCOLL_TRANSPORT).
+        interhost: what carries pairs of ranks on different hosts when transport is "auto":
+            "tcp" (default) or "mpi" (TCOLL_INTERHOST).
         shm_ring: bytes of each shared-memory channel ring, per ordered pair of ranks; 0 sizes
             it from the number of ranks on the host (TCOLL_SHM_RING).
         shm_chunk: most bytes moved by one copy step through a ring; smaller chunks
@@ -72,6 +74,7 @@ class Settings:
 
     timeout: float = 300.0
     transport: str = "auto"
+    interhost: str = "tcp"
     shm_ring: int = 0
     shm_chunk: int = 512 << 10
     eager_limit: int = 64 << 10
@@ -87,6 +90,7 @@ class Settings:
     _ENV = {
         "timeout": ("TCOLL_TIMEOUT", float),
         "transport": ("TCOLL_TRANSPORT", str),
+        "interhost": ("TCOLL_INTERHOST", str),
         "shm_ring": ("TCOLL_SHM_RING", parse_size),
         "shm_chunk": ("TCOLL_SHM_CHUNK", parse_size),
         "eager_limit": ("TCOLL_EAGER_LIMIT", parse_size),
@@ -150,6 +154,8 @@ class Settings:
         Raises:
             ValueError: naming the bad field.
         """
+        if self.interhost not in ("tcp", "mpi"):
+            raise ValueError(f"interhost must be 'tcp' or 'mpi', not {self.interhost!r}")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, not {self.transport!r}")
         if self.timeout <= 0:

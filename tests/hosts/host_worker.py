@@ -1,6 +1,6 @@
 """A rank of a job across namespace-hosts (started by `tcoll run` in each host; see tests/hosts).
 
-Usage: host_worker.py OUT_DIR [torch]
+Usage: host_worker.py OUT_DIR [torch] [faults]
 
 Checks the host map against the launcher's layout (nodes of TCOLL_LOCAL_SIZE
 ranks), the transport of every pair, split_type("host") and leaders(); runs
@@ -25,8 +25,10 @@ from helpers.cases import MATRIX
 
 def check_topology(comm: tcoll.Communicator) -> list[str]:
     """The host map, transports, host-local and leaders' communicators match the launcher's layout."""
-    per_host = int(os.environ["TCOLL_LOCAL_SIZE"])
-    nhosts = int(os.environ["TCOLL_NNODES"])
+    per_host = int(os.environ.get("TCOLL_LOCAL_SIZE", comm.size))  # mpiexec: one host
+    nhosts = int(os.environ.get("TCOLL_NNODES", 1))
+    forced = os.environ.get("TCOLL_TRANSPORT", "auto")
+    between = "mpi" if os.environ.get("TCOLL_INTERHOST") == "mpi" else "tcp"
     failures = []
     hosts = comm.hosts
     want = [r // per_host for r in range(comm.size)]
@@ -34,7 +36,7 @@ def check_topology(comm: tcoll.Communicator) -> list[str]:
         failures.append(f"host map {hosts!r}, want hosts {want}")
     for peer in range(comm.size):
         if peer != comm.rank:
-            kind = "shm" if want[peer] == want[comm.rank] else "tcp"
+            kind = forced if forced != "auto" else "shm" if want[peer] == want[comm.rank] else between
             if comm.transport(peer) != kind:
                 failures.append(f"rank {peer} is reached over {comm.transport(peer)}, want {kind}")
     local = comm.split_type("host")
@@ -57,7 +59,7 @@ def check_every_algorithm(comm: tcoll.Communicator) -> list[str]:
     """Every algorithm of every collective, over the network (no shared-memory direct ones across hosts)."""
     failures: list[str] = []
     pairs = [("sum", np.dtype(np.float32)), ("max", np.dtype(np.int64)), ("matmul", MATRIX)]
-    direct = comm.hosts.count == 1
+    direct = all(comm.transport(peer) == "shm" for peer in range(comm.size) if peer != comm.rank)
     for collective, algorithm in _cases(REDUCTIONS, direct=direct):
         failures += run_reduction(comm, collective, algorithm, pairs, (1, 300))
     for collective, algorithm in _cases(MOVEMENTS, direct=direct):
@@ -97,6 +99,25 @@ def check_uneven_and_objects(comm: tcoll.Communicator) -> list[str]:
     return failures
 
 
+def check_faults(comm: tcoll.Communicator) -> list[str]:
+    """A disagreement is a MismatchError on every rank; a rank that does not come is a TimeoutError."""
+    failures = []
+    try:
+        comm.all_reduce(np.ones(10 + (comm.rank == 1)))
+        failures.append("all_reduce of differing sizes passed")
+    except (tcoll.MismatchError, tcoll.PeerFailedError):
+        pass
+    comm.barrier()
+    if comm.rank == 0:
+        try:
+            comm.recv(np.empty(4), src=1, tag=77, timeout=0.5)
+            failures.append("a receive nobody sends to completed")
+        except tcoll.TimeoutError:
+            pass
+    comm.barrier()
+    return failures
+
+
 def check_torch(comm: tcoll.Communicator) -> list[str]:
     """The torch backend's all_reduce across the hosts."""
     import torch
@@ -124,6 +145,8 @@ def main() -> None:
             failures += check(comm)
         except Exception:  # noqa: BLE001 - reported to the test with its traceback
             failures.append(f"{check.__name__}: {traceback.format_exc()}")
+    if "faults" in sys.argv[2:]:
+        failures += check_faults(comm)
     if "torch" in sys.argv[2:]:
         try:
             failures += check_torch(comm)

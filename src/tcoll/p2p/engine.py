@@ -69,6 +69,7 @@ class Engine:
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
         self.hosts = HostMap.single(size)  # which ranks share a host: set from the rendezvous cards
         self.link_latency = 0.0  # seconds a message takes between hosts, measured and agreed at connect
+        self.poll_only = False  # a channel has nothing that could wake a sleeper (MPI): waits poll, never sleep
 
     # -- setup ---------------------------------------------------------------
 
@@ -240,7 +241,7 @@ class Engine:
             if moved:
                 spin_start = now  # a pipeline is flowing: the next piece comes soon
                 continue
-            if now - spin_start < self.spin.budget_s:
+            if now - spin_start < self.spin.budget_s or self.poll_only:
                 if self.spin.yield_while_polling:
                     os.sched_yield()
                 continue

@@ -1,10 +1,11 @@
 """Build a rank's engine: meet the other ranks, choose a transport per peer, connect.
 
-Transports are tried in order [loopback, shm, tcp]: each pair of ranks uses the
-first one both can use (loopback for threads of one process, shm for
-processes of one host, tcp otherwise). TCOLL_TRANSPORT=shm|tcp forces one for
-every pair (loopback is then off too); a pair the forced transport cannot
-serve is an error at startup, not a silent fallback.
+Transports are tried in order [loopback, shm, mpi, tcp]: each pair of ranks uses
+the first one both can use (loopback for threads of one process, shm for
+processes of one host, tcp otherwise; mpi instead of tcp with
+TCOLL_INTERHOST=mpi). TCOLL_TRANSPORT=shm|tcp|mpi forces one for every pair
+(loopback is then off too); a pair the forced transport cannot serve is an
+error at startup, not a silent fallback.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from ..p2p.waiting import Doorbell
 from ..store.base import Store
 from ..transport.base import Card, Transport
 from ..transport.loopback import LoopbackTransport
+from ..transport.mpi import MpiTransport
 from ..transport.shm import ShmTransport
 from ..transport.tcp import TcpTransport
 from .rendezvous import exchange_cards
 
 __all__ = ["connect_world", "TRANSPORTS"]
 
-TRANSPORTS: tuple[type[Transport], ...] = (LoopbackTransport, ShmTransport, TcpTransport)
+TRANSPORTS: tuple[type[Transport], ...] = (LoopbackTransport, ShmTransport, MpiTransport, TcpTransport)
 
 
 def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id: str,
@@ -49,7 +51,8 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
         TransportError: a pair of ranks has no usable transport.
     """
     engine = Engine(rank, size, settings, Doorbell.private())
-    transports = [cls(engine, settings, run_id, master_host) for cls in _allowed(settings.transport)]
+    transports = [cls(engine, settings, run_id, master_host) for cls in _allowed(settings.transport,
+                                                                                 settings.interhost)]
     try:
         card = _identity_card(rank)
         for transport in transports:
@@ -87,13 +90,15 @@ def _agreed_latency(engine: Engine, store: Store, rank: int, size: int, timeout:
     return max(float(value) for value in found) / 2
 
 
-def _allowed(forced: str) -> list[type[Transport]]:
-    """The transports to set up: all available ones, or only the forced one."""
+def _allowed(forced: str, interhost: str = "tcp") -> list[type[Transport]]:
+    """The transports to set up: all available ones (MPI only for TCOLL_INTERHOST=mpi), or only the forced one."""
     if forced == "auto":
-        return [cls for cls in TRANSPORTS if cls.available()]
+        skip = "tcp" if interhost == "mpi" else "mpi"
+        return [cls for cls in TRANSPORTS if cls.name != skip and cls.available()]
     chosen = [cls for cls in TRANSPORTS if cls.name == forced]
     if not chosen or not chosen[0].available():
-        raise TransportError(f"TCOLL_TRANSPORT={forced} is not available on this machine")
+        hint = ": pip install 'tcoll[mpi]'" if forced == "mpi" else ""
+        raise TransportError(f"TCOLL_TRANSPORT={forced} is not available on this machine{hint}")
     return chosen
 
 

@@ -1,0 +1,38 @@
+"""The MPI transport under mpiexec: every collective over TCOLL_TRANSPORT=mpi, meeting through MPI itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tcoll.transport.mpi import MpiTransport
+
+TESTS = Path(__file__).resolve().parents[1]
+WORKER = str(TESTS / "hosts" / "host_worker.py")
+MPIEXEC = shutil.which("mpiexec")
+
+pytestmark = pytest.mark.skipif(not (MPIEXEC and MpiTransport.available()),
+                                reason="the optional extra tcoll[mpi] (mpi4py and mpiexec) is not installed")
+
+
+def _mpiexec(n: int, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TCOLL_", "MASTER_", "PMI", "OMPI_"))}
+    environ.update(env)
+    environ["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], env=environ, capture_output=True,
+                          text=True, timeout=timeout, start_new_session=True)
+
+
+@pytest.mark.timeout(150)
+def test_every_collective_over_mpi_under_mpiexec(tmp_path: Path) -> None:
+    done = _mpiexec(4, [WORKER, str(tmp_path), "faults"], {"TCOLL_TRANSPORT": "mpi", "TCOLL_TIMEOUT": "60"}, 140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in range(4):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["failures"] == [], f"rank {rank}: {found['failures']}"
