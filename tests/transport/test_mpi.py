@@ -36,3 +36,15 @@ def test_every_collective_over_mpi_under_mpiexec(tmp_path: Path) -> None:
     for rank in range(4):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert found["failures"] == [], f"rank {rank}: {found['failures']}"
+
+
+@pytest.mark.timeout(120)
+def test_bench_compares_tcoll_over_mpi() -> None:
+    from tcoll.bench.runner import BenchConfig, run_bench
+
+    config = BenchConfig(cases=["all_reduce"], n=2, sizes=[4096], compare=["tcoll-mpi"], repeats=1, iters=3,
+                         warmup=1, check=True, timeout=100)
+    result = run_bench(config, note=pytest.fail)
+    rows = [row for row in result["samples"] if row["impl"] == "tcoll-mpi"]
+    assert rows and all(row["time"] and row["error"] is None and row["wrong"] == 0 for row in rows), rows
+    assert result["info"]["tcoll-mpi"]["transports"] == ["mpi"]
