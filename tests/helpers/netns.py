@@ -72,8 +72,13 @@ class NamespaceHosts:
         self.procs: list[subprocess.Popen[Any]] = []
 
     def build(self) -> None:
-        """Create the bridge, the namespaces and their links (raises CalledProcessError)."""
+        """Create the bridge, the namespaces and their links (raises CalledProcessError).
+
+        The bridge has an address too (.254), so that a launcher in the root namespace (mpiexec) can be
+        reached by the processes it starts in the hosts.
+        """
         _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"10.77.{self.subnet}.254/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for name, link, addr in zip(self.names, self.links, self.addrs):
             _ip("netns", "add", name)
@@ -108,6 +113,36 @@ class NamespaceHosts:
         return [self.start(host, [sys.executable, "-m", "tcoll", "run", "--nnodes", str(count), "--node-rank",
                                   str(host), "--master", f"{self.addrs[0]}:{port}", "-n", str(nprocs), *script], env)
                 for host in range(count)]
+
+    def mpiexec(self, nprocs: int, args: Sequence[str], env: dict[str, str], workdir: Path,
+                mpiexec: str = "mpiexec") -> subprocess.Popen[str]:
+        """MPICH's `mpiexec` in the root namespace starting `nprocs` ranks per host, in the hosts.
+
+        Hydra starts its proxy on each host through a launch script in place of ssh (it is called as
+        `script [options] HOST COMMAND`), which runs the command as `command()` does.
+        """
+        cases = "\n".join(f"  {addr}) ns={name} ;;" for addr, name in zip(self.addrs, self.names))
+        script = workdir / "netns-launch.sh"
+        script.write_text(f"""#!/bin/sh
+while [ "${{1#-}}" != "$1" ]; do shift; done
+host=$1; shift
+case $host in
+{cases}
+  *) echo "unknown host $host" >&2; exit 1 ;;
+esac
+exec ip netns exec $ns unshare --uts --mount --propagation private sh -c \
+  "hostname $ns && mount -t tmpfs -o size=2g tmpfs /dev/shm && exec $*"
+""")
+        script.chmod(0o755)
+        command = [mpiexec, "-hosts", ",".join(self.addrs), "-ppn", str(nprocs), "-n", str(nprocs * len(self.addrs)),
+                   "-launcher", "ssh", "-launcher-exec", str(script), "-iface", self.bridge, *args]
+        environ = dict(os.environ)
+        environ["PYTHONPATH"] = os.pathsep.join([_SRC, _TESTS])
+        environ.update(env)
+        proc = subprocess.Popen(command, env=environ, text=True, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
 
     def run_in(self, host: int, *args: str) -> subprocess.CompletedProcess[str]:
         """Run a quick command (tc, ip) in host `host`'s network namespace."""

@@ -25,8 +25,9 @@ from helpers.cases import MATRIX
 
 def check_topology(comm: tcoll.Communicator) -> list[str]:
     """The host map, transports, host-local and leaders' communicators match the launcher's layout."""
-    per_host = int(os.environ.get("TCOLL_LOCAL_SIZE", comm.size))  # mpiexec: one host
-    nhosts = int(os.environ.get("TCOLL_NNODES", 1))
+    # tcoll run says how it laid the ranks out; under mpiexec the test does (EXPECT_*).
+    per_host = int(os.environ.get("TCOLL_LOCAL_SIZE") or os.environ.get("EXPECT_PER_HOST", comm.size))
+    nhosts = int(os.environ.get("TCOLL_NNODES") or os.environ.get("EXPECT_HOSTS", 1))
     forced = os.environ.get("TCOLL_TRANSPORT", "auto")
     between = "mpi" if os.environ.get("TCOLL_INTERHOST") == "mpi" else "tcp"
     failures = []

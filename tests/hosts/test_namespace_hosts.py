@@ -7,7 +7,10 @@ skip: where namespaces cannot be made (not root).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -59,3 +62,20 @@ def test_link_down_is_peer_lost_within_ten_seconds_naming_the_hosts_ranks(tmp_pa
         assert found["error"] in ("PeerLostError", "PeerFailedError"), found
         assert "ranks 2, 3" in found["text"], found
         assert found["at"] - down_at < 10, f"rank {rank} noticed after {found['at'] - down_at:.1f} s: {found}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["TCOLL_INTERHOST", "TCOLL_TRANSPORT"])
+def test_mpiexec_across_hosts_every_collective_over_mpi(tmp_path: Path, mode: str) -> None:
+    """MPICH's mpiexec starts 2 ranks in each of 2 hosts; they meet through MPI; MPI carries (inter-host) pairs."""
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("the optional extra tcoll[mpi] (mpi4py and MPICH's mpiexec) is not installed")
+    env = {mode: "mpi", "TCOLL_TIMEOUT": "60", "EXPECT_HOSTS": "2", "EXPECT_PER_HOST": "2"}
+    with netns.namespace_hosts(2) as hosts:
+        proc = hosts.mpiexec(2, [sys.executable, WORKER, str(tmp_path), "faults"], env, tmp_path, mpiexec)
+        [(code, out)] = netns.wait_all([proc], 130)
+    assert code == 0, out[-3000:]
+    for rank in range(4):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["failures"] == [], f"rank {rank}: {found['failures']}\n{out[-3000:]}"
