@@ -48,17 +48,18 @@ __all__ = ["topology_of", "all_reduce_hierarchical", "all_reduce_sliced", "all_g
 Step = tuple[str, str, str, int, int]  # (what, collective, link "intra"/"inter", nbytes, ranks)
 
 
-def topology_of(hosts_count: int, per_host: int, link_latency: float = 0.0) -> Topology | None:
+def topology_of(hosts_count: int, per_host: int, link_latency: float = 0.0, link: str = "tcp") -> Topology | None:
     """The cost model's view of a job over `hosts_count` hosts (None for one host).
 
     Args:
         per_host: the most ranks on one host.
         link_latency: seconds one message takes between hosts, as measured when the job connected
-            (agreed by every rank); the model's TCP latency is a floor.
+            (agreed by every rank); the model's latency of the link is a floor.
+        link: the transport between hosts ("tcp" or "mpi").
     """
     if hosts_count < 2:
         return None
-    inter = select.COSTS["tcp"]
+    inter = select.COSTS[link if link in select.COSTS else "tcp"]
     if link_latency > inter.alpha:
         inter = dataclasses.replace(inter, alpha=link_latency)
     return Topology(hosts_count, per_host, select.COSTS["shm"], inter)
@@ -104,7 +105,7 @@ class _Layout:
         engine = team._engine
         self.topology = topology_of(hosts.count, max(map(len, self.members)), engine.link_latency)
         self.intra = select.COSTS["shm"]
-        self.inter = self.topology.inter if self.topology else select.COSTS["tcp"]
+        self.inter = self.topology.inter if self.topology else select.COSTS["tcp"]  # the steps' choice only
 
 
 # -- all_reduce ---------------------------------------------------------------------------------

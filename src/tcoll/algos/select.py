@@ -25,7 +25,12 @@ COSTS = {
     "shm": Costs(alpha=12e-6, beta=1 / 8e9, gamma=1 / 6e9),
     "tcp": Costs(alpha=40e-6, beta=1 / 4e9, gamma=1 / 6e9),
     "loopback": Costs(alpha=8e-6, beta=1 / 8e9, gamma=1 / 6e9),
+    # Not measured here (this machine has no fabric): a 100 Gb/s InfiniBand or EFA link reached through
+    # mpi4py, whose Python call overhead (~25 us per message) dominates the fabric's ~2 us.
+    "mpi": Costs(alpha=25e-6, beta=1 / 12e9, gamma=1 / 6e9),
 }
+
+_BOUNDARY_ONCE = ("ring", "chain")  # flat algorithms whose traffic crosses a host boundary once per step
 
 # The shared-memory arena (`tcoll bench all_reduce`, ..., with algorithm shm):
 ARENA_SYNC = 2e-6  # seconds per step: a counter in shared memory seen by a polling rank, plus Python
@@ -55,9 +60,16 @@ def ranked(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bo
     """
     candidates = eligible(collective, ordered=ordered, uneven=uneven, direct=direct)
     timed = []
+    shared = costs
+    if topology is not None and topology.hosts > 1 and topology.per_host > 1:
+        # A host's ranks share its network link: a flat algorithm whose ranks all talk across hosts at
+        # once gets 1/per_host of it each. A ring or chain over ranks numbered host by host crosses
+        # each host boundary with one block per step, so it keeps the whole link.
+        shared = Costs(costs.alpha, costs.beta * topology.per_host, costs.gamma)
     for index, info in enumerate(candidates):
         if not info.hierarchical:
-            timed.append((info.cost(costs, nbytes, size), index, info))
+            link = costs if info.name in _BOUNDARY_ONCE else shared
+            timed.append((info.cost(link, nbytes, size), index, info))
         elif topology is not None and topology.hosts > 1 and topology.per_host > 1:
             timed.append((info.cost(topology, nbytes), index, info))
     return [(seconds, info) for seconds, _, info in sorted(timed, key=lambda item: item[:2])]
