@@ -45,7 +45,7 @@ from .topology import displacements, split_counts
 __all__ = ["topology_of", "all_reduce_hierarchical", "all_reduce_sliced", "all_gather_hierarchical",
            "reduce_scatter_hierarchical", "broadcast_hierarchical"]
 
-Step = tuple[str, str, str, int, int]  # (what, collective, link "intra"/"inter", nbytes, ranks)
+Step = tuple[str, str, str, int, int]  # (what, collective, link "intra"/"inter"/"inter, shared", nbytes, ranks)
 
 
 def topology_of(hosts_count: int, per_host: int, link_latency: float = 0.0, link: str = "tcp") -> Topology | None:
@@ -72,6 +72,8 @@ def _plan_cost(steps: Callable[[Topology, int], list[Step]]) -> Callable[[Topolo
         rows = []
         for number, (what, collective, link, size_bytes, ranks) in enumerate(steps(topology, nbytes), 1):
             costs = topology.intra if link == "intra" else topology.inter
+            if link == "inter, shared":  # every local rank uses the host's link at once: 1/per_host each
+                costs = Costs(costs.alpha, costs.beta * topology.per_host, costs.gamma)
             seconds, info = select.best_flat(collective, costs, size_bytes, ranks) if ranks > 1 else (0.0, None)
             how = f"{info.name}, {ranks} ranks, {size_bytes} B" if info else "nothing to do"
             rows.append((f"{number}. {what} ({link}: {how})", seconds))
@@ -137,7 +139,8 @@ def all_reduce_hierarchical(team: Team, buf: np.ndarray, op: Op) -> Algorithm:
 def _sliced_steps(t: Topology, n: int) -> list[Step]:
     share = n // t.per_host
     return [("reduce_scatter inside each host: local rank i owns slice i", "reduce_scatter", "intra", n, t.per_host),
-            ("all_reduce of slice i among local ranks i of every host", "all_reduce", "inter", share, t.hosts),
+            ("all_reduce of slice i among local ranks i of every host", "all_reduce", "inter, shared", share,
+             t.hosts),
             ("all_gather of the slices inside each host", "all_gather", "intra", share, t.per_host)]
 
 
