@@ -19,8 +19,7 @@ import traceback
 import numpy as np
 
 import tcoll
-from comm.test_collectives import MOVEMENTS, REDUCTIONS, _cases, run_movement, run_reduction
-from helpers.cases import MATRIX
+from comm.test_collectives import run_every_algorithm
 
 
 def check_topology(comm: tcoll.Communicator) -> list[str]:
@@ -53,20 +52,6 @@ def check_topology(comm: tcoll.Communicator) -> list[str]:
         got = leaders.all_gather(np.array([comm.rank], dtype=np.int64))
         if got.ravel().tolist() != [h * per_host for h in range(nhosts)]:
             failures.append(f"leaders are {got.ravel().tolist()}")
-    return failures
-
-
-def check_every_algorithm(comm: tcoll.Communicator) -> list[str]:
-    """Every algorithm of every collective, over the network (no shared-memory direct ones across hosts)."""
-    failures: list[str] = []
-    pairs = [("sum", np.dtype(np.float32)), ("max", np.dtype(np.int64)), ("matmul", MATRIX)]
-    direct = all(comm.transport(peer) == "shm" for peer in range(comm.size) if peer != comm.rank)
-    for collective, algorithm in _cases(REDUCTIONS, direct=direct):
-        failures += run_reduction(comm, collective, algorithm, pairs, (1, 300))
-    for collective, algorithm in _cases(MOVEMENTS, direct=direct):
-        failures += run_movement(comm, collective, algorithm, [np.dtype(np.float64), np.dtype(np.int8)], (1, 300))
-    for _, algorithm in _cases(["barrier"], direct=direct):
-        comm.barrier(algorithm=algorithm)
     return failures
 
 
@@ -141,7 +126,7 @@ def main() -> None:
     out_dir = sys.argv[1]
     comm = tcoll.init()
     failures: list[str] = []
-    for check in (check_topology, check_every_algorithm, check_uneven_and_objects):
+    for check in (check_topology, run_every_algorithm, check_uneven_and_objects):
         try:
             failures += check(comm)
         except Exception:  # noqa: BLE001 - reported to the test with its traceback
