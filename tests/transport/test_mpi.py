@@ -48,3 +48,16 @@ def test_bench_compares_tcoll_over_mpi() -> None:
     rows = [row for row in result["samples"] if row["impl"] == "tcoll-mpi"]
     assert rows and all(row["time"] and row["error"] is None and row["wrong"] == 0 for row in rows), rows
     assert result["info"]["tcoll-mpi"]["transports"] == ["mpi"]
+
+
+@pytest.mark.timeout(90)
+def test_torch_backend_over_mpi(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker = str(Path(__file__).with_name("mpi_torch_worker.py"))
+    done = _mpiexec(2, [worker, str(port)], {"TCOLL_TRANSPORT": "mpi", "TCOLL_TIMEOUT": "60"}, 80)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith(("ok", "wrong"))) == ["ok 0", "ok 1"]
