@@ -2,6 +2,7 @@
 
     sudo python benchmarks/hosts_netem.py                    # 1 ms, 64 KiB .. 16 MiB
     sudo python benchmarks/hosts_netem.py --delay 0ms --sizes 1M,4M --iters 10
+    sudo python benchmarks/hosts_netem.py --rate 1gbit       # also cap each host's link (tc tbf)
 
 Builds two hosts with their own network namespace, hostname and /dev/shm
 (tests/helpers/netns.py), adds `tc qdisc add dev eth0 root netem delay D` in
@@ -53,6 +54,7 @@ def worker(out: str, sizes: list[int], iters: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--delay", default="1ms", help="netem delay added on each host's link (default 1ms)")
+    parser.add_argument("--rate", default="", help="also cap each host's link, e.g. 1gbit (tc tbf; default: none)")
     parser.add_argument("--sizes", default="64K,256K,1M,4M,16M")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "SIZES"), help=argparse.SUPPRESS)
@@ -79,6 +81,16 @@ def main() -> None:
                     print(f"tc netem is not available here ({exc.stderr.strip()}): measuring with no delay added")
                     delay = "0ms (netem unavailable)"
                     break
+        if args.rate:  # a bandwidth cap: a token bucket on each host's link (a child of netem when there is one)
+            parent = ["parent", "1:"] if not delay.startswith("0") else ["root"]
+            if parent[0] == "parent":
+                for host in range(2):
+                    hosts.run_in(host, "tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "netem",
+                                 "delay", delay)
+            for host in range(2):
+                hosts.run_in(host, "tc", "qdisc", "add", "dev", "eth0", *parent, "tbf", "rate", args.rate,
+                             "burst", "256kb", "latency", "100ms")
+            delay = f"{delay}, rate {args.rate}"
         out = os.path.join(tmp, "result.json")
         script = [__file__, "--iters", str(args.iters), "--worker", out, ",".join(map(str, sizes))]
         results = netns.wait_all(hosts.tcoll_run(2, script), 1800)
@@ -93,7 +105,7 @@ def report(result: dict, delay: str) -> None:
     rows = result["rows"]
     times = {(row["nbytes"], row["algorithm"]): row["time"] for row in rows}
     sizes = sorted({row["nbytes"] for row in rows})
-    print(f"all_reduce float32 sum, 2 hosts x 2 ranks (hosts {result['hosts']}), netem delay {delay} per host link; "
+    print(f"all_reduce float32 sum, 2 hosts x 2 ranks (hosts {result['hosts']}), per host link: netem delay {delay}; "
           f"measured one-way latency {result['latency'] * 1e3:.2f} ms; time per call in ms (slowest rank's mean)")
     print(f"| bytes | {' | '.join(ALGORITHMS)} | auto chose | flat ring / best hierarchical |")
     print("|" + "---|" * (len(ALGORITHMS) + 3))
