@@ -340,8 +340,7 @@ class Dispatcher:
         if self._topology is False:
             hosts = self.engine.hosts.restrict(self.world)
             per_host = max(len(hosts.members(h)) for h in range(hosts.count))
-            other = next((w for w in self.world if hosts.host_of[self.world.index(w)] != hosts.host_of[self.rank]),
-                         None)
+            other = next((w for i, w in enumerate(self.world) if hosts.host_of[i] != hosts.host_of[self.rank]), None)
             link = self.engine.transport_of(other) if other is not None else "tcp"
             self._topology = hierarchy.topology_of(hosts.count, per_host, self.engine.link_latency, link)
         return self._topology  # type: ignore[return-value]

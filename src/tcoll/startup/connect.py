@@ -115,7 +115,8 @@ def _assign(transports: list[Transport], cards: list[Card], rank: int, forced: s
                 break
         else:
             how = f"TCOLL_TRANSPORT={forced}" if forced != "auto" else "any transport"
-            raise TransportError(f"rank {rank} cannot reach rank {peer} ({card['host']}) with {how}")
+            hint = " (the mpi transport needs every rank started by one mpiexec)" if forced == "mpi" else ""
+            raise TransportError(f"rank {rank} cannot reach rank {peer} ({card['host']}) with {how}{hint}")
     return assignment
 
 
