@@ -67,14 +67,14 @@ def test_link_down_is_peer_lost_within_ten_seconds_naming_the_hosts_ranks(tmp_pa
 
 
 @pytest.mark.timeout(150)
-def test_mpiexec_across_hosts_every_collective_over_mpi(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["TCOLL_INTERHOST", "TCOLL_TRANSPORT"])
+def test_mpiexec_across_hosts_every_collective_over_mpi(tmp_path: Path, mode: str) -> None:
     """MPICH's mpiexec starts 2 ranks in each of 2 hosts; they meet through MPI; MPI carries (inter-host) pairs."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
         pytest.skip("the optional extra tcoll[mpi] (mpi4py and MPICH's mpiexec) is not installed")
-    # TCOLL_INTERHOST=mpi: shared memory inside each host, MPI between them (TCOLL_TRANSPORT=mpi for
-    # every pair is tested under mpiexec on one host, tests/transport/test_mpi.py).
-    env = {"TCOLL_INTERHOST": "mpi", "TCOLL_TIMEOUT": "60", "EXPECT_HOSTS": "2", "EXPECT_PER_HOST": "2"}
+    # TCOLL_INTERHOST=mpi: shared memory inside each host, MPI between them; TCOLL_TRANSPORT=mpi: MPI for all.
+    env = {mode: "mpi", "TCOLL_TIMEOUT": "60", "EXPECT_HOSTS": "2", "EXPECT_PER_HOST": "2"}
     with netns.namespace_hosts(2) as hosts:
         proc = hosts.mpiexec(2, [sys.executable, WORKER, str(tmp_path), "faults"], env, tmp_path, mpiexec)
         [(code, out)] = netns.wait_all([proc], 130)
