@@ -29,7 +29,7 @@ def check_topology(comm: tcoll.Communicator) -> list[str]:
     per_host = int(os.environ.get("TCOLL_LOCAL_SIZE") or os.environ.get("EXPECT_PER_HOST", comm.size))
     nhosts = int(os.environ.get("TCOLL_NNODES") or os.environ.get("EXPECT_HOSTS", 1))
     forced = os.environ.get("TCOLL_TRANSPORT", "auto")
-    between = "mpi" if os.environ.get("TCOLL_INTERHOST") == "mpi" else "tcp"
+    between = "mpi" if "mpi" in (os.environ.get("TCOLL_INTERHOST"), forced) else "tcp"
     failures = []
     hosts = comm.hosts
     want = [r // per_host for r in range(comm.size)]
