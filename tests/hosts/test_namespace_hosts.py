@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from helpers import netns
 from helpers.procs import wait_file
+from tcoll.bench.compare import mpiexec as find_mpiexec
 
 WORKER = str(Path(__file__).with_name("host_worker.py"))
 
@@ -70,7 +70,7 @@ def test_link_down_is_peer_lost_within_ten_seconds_naming_the_hosts_ranks(tmp_pa
 @pytest.mark.parametrize("mode", ["TCOLL_INTERHOST", "TCOLL_TRANSPORT"])
 def test_mpiexec_across_hosts_every_collective_over_mpi(tmp_path: Path, mode: str) -> None:
     """MPICH's mpiexec starts 2 ranks in each of 2 hosts; they meet through MPI; MPI carries (inter-host) pairs."""
-    mpiexec = shutil.which("mpiexec")
+    mpiexec = find_mpiexec()
     if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
         pytest.skip("the optional extra tcoll[mpi] (mpi4py and MPICH's mpiexec) is not installed")
     # TCOLL_INTERHOST=mpi: shared memory inside each host, MPI between them; TCOLL_TRANSPORT=mpi: MPI for all.

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tcoll.bench.compare import mpiexec
 from tcoll.transport.mpi import MpiTransport
 
 TESTS = Path(__file__).resolve().parents[1]
 WORKER = str(TESTS / "hosts" / "host_worker.py")
-MPIEXEC = shutil.which("mpiexec")
+MPIEXEC = mpiexec()  # MPICH's from PyPI beside this Python, else the one on PATH
 
 pytestmark = pytest.mark.skipif(not (MPIEXEC and MpiTransport.available()),
                                 reason="the optional extra tcoll[mpi] (mpi4py and mpiexec) is not installed")
