@@ -8,7 +8,8 @@ mpiexec, whose ranks are tcoll's ranks.
 MPI carries bytes only; tcoll's engine keeps its own rules. Every message is
 two MPI messages on a private duplicate of MPI_COMM_WORLD: its 40-byte tcoll
 header (context, tag, size and the call's stamp, `p2p/channel.py`) on MPI tag
-1, then its payload on MPI tag 2. A channel keeps one header receive posted
+1, then its payload on MPI tag 2 (a payload of up to 8 KiB rides in the
+header's message instead). A channel keeps one header receive posted
 per peer; when a header arrives it asks the engine which receive it belongs
 to, exactly as the TCP channel does, and only then posts the payload's
 receive straight into that buffer. MPI keeps messages of one tag between two
@@ -37,6 +38,7 @@ __all__ = ["MpiTransport", "MpiChannel", "mpi_module"]
 
 _HDR_TAG, _DATA_TAG = 1, 2
 _HDR = HEADER.size
+_INLINE = 8 << 10  # payloads up to this size travel in the header's message: one MPI message, not two
 
 
 def mpi_module() -> Any:
@@ -68,8 +70,8 @@ class MpiChannel(Channel):
         self._comm = comm
         self._dest = mpi_rank
         self._sends: deque[tuple[SendWork, list[Any], bytes]] = deque()  # header kept alive until sent
-        self._hdr = np.empty(_HDR, dtype=np.uint8)
-        self._hdr_req = comm.Irecv([self._hdr, _HDR, self._byte], source=mpi_rank, tag=_HDR_TAG)
+        self._hdr = np.empty(_HDR + _INLINE, dtype=np.uint8)
+        self._hdr_req = comm.Irecv([self._hdr, _HDR + _INLINE, self._byte], source=mpi_rank, tag=_HDR_TAG)
         self._pending: tuple[int, int, int, int] | None = None
         self._receiving: deque[tuple[RecvWork, Any, Any]] = deque()  # (work, request, scratch kept alive)
         self.closed = False
@@ -77,8 +79,10 @@ class MpiChannel(Channel):
     def post(self, send: SendWork) -> None:
         """Start the header's and the payload's MPI sends at once (MPI orders them)."""
         head = pack_header(send.ctx, send.tag, send.nbytes, send.stamp)
-        requests = [self._comm.Isend([head, _HDR, self._byte], dest=self._dest, tag=_HDR_TAG)]
-        if send.nbytes:
+        if send.nbytes <= _INLINE:
+            head += send.data[:send.nbytes].tobytes()
+        requests = [self._comm.Isend([head, len(head), self._byte], dest=self._dest, tag=_HDR_TAG)]
+        if send.nbytes > _INLINE:
             requests.append(self._comm.Isend([send.data, send.nbytes, self._byte], dest=self._dest, tag=_DATA_TAG))
         self._sends.append((send, requests, head))
 
@@ -92,7 +96,7 @@ class MpiChannel(Channel):
             moved = self._finish_sends()
             while self._take_header():
                 moved = True
-            while self._receiving and self._receiving[0][1].Test():
+            while self._receiving and (self._receiving[0][1] is None or self._receiving[0][1].Test()):
                 work, _, _ = self._receiving.popleft()
                 work.offset = work.nbytes
                 self.engine.recv_done(work)
@@ -119,7 +123,7 @@ class MpiChannel(Channel):
             if not self._hdr_req.Test():
                 return False
             try:
-                self._pending = unpack_header(self._hdr.tobytes(), self.peer)
+                self._pending = unpack_header(self._hdr[:_HDR].tobytes(), self.peer)
             except TransportError as exc:
                 raise PeerLostError(self.peer, str(exc)) from None
         ctx, tag, nbytes, stamp = self._pending
@@ -127,13 +131,15 @@ class MpiChannel(Channel):
         if target is None:
             return False  # no receive for it yet: asked again on the next progress
         self._pending = None
-        self._hdr_req = self._comm.Irecv([self._hdr, _HDR, self._byte], source=self._dest, tag=_HDR_TAG)
-        if nbytes == 0:
-            self.engine.recv_done(target)
-            return True
-        # A message too large for its receive (data None) is received aside and dropped, as TCP does.
-        buf = np.empty(nbytes, dtype=np.uint8) if target.data is None else target.data[:nbytes]
-        request = self._comm.Irecv([buf, nbytes, self._byte], source=self._dest, tag=_DATA_TAG)
+        request = None  # an inline payload is complete now, but reported in order after earlier ones
+        if nbytes <= _INLINE:
+            if target.data is not None:  # None: too large for its receive, dropped as TCP does
+                target.data[:nbytes] = self._hdr[_HDR:_HDR + nbytes]
+            buf = None
+        else:
+            buf = np.empty(nbytes, dtype=np.uint8) if target.data is None else target.data[:nbytes]
+            request = self._comm.Irecv([buf, nbytes, self._byte], source=self._dest, tag=_DATA_TAG)
+        self._hdr_req = self._comm.Irecv([self._hdr, _HDR + _INLINE, self._byte], source=self._dest, tag=_HDR_TAG)
         self._receiving.append((target, request, buf))
         return True
 
