@@ -35,6 +35,8 @@ from .work import RecvWork, SendWork, Work
 
 __all__ = ["Engine"]
 
+_POLL_NAP = 50e-6  # seconds a waiter with MPI channels sleeps between polls once its spin budget is spent
+
 
 
 class Engine:
@@ -241,9 +243,12 @@ class Engine:
             if moved:
                 spin_start = now  # a pipeline is flowing: the next piece comes soon
                 continue
-            if now - spin_start < self.spin.budget_s or self.poll_only:
+            if now - spin_start < self.spin.budget_s:
                 if self.spin.yield_while_polling:
                     os.sched_yield()
+                continue
+            if self.poll_only:  # nothing would wake a sleeper: nap briefly so oversubscribed peers get the core
+                self._block(work, _POLL_NAP)
                 continue
             blocked = True
             self._block(work, min(deadline, next_liveness) - now)
