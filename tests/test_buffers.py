@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -82,3 +84,50 @@ def test_torch_tensors_keep_their_dtype_and_memory() -> None:
         as_array(tensor.t(), writable=False)
     made, view = empty_like_kind(tensor, (4,), typed.dtype)
     assert isinstance(made, torch.Tensor) and made.dtype == torch.bfloat16 and view.shape == (4,)
+
+
+class _LegacyExporter:
+    """An object that speaks only the unversioned DLPack protocol (no max_version)."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr
+
+    def __dlpack__(self, stream: object = None) -> object:
+        return self.arr.__dlpack__()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.arr.__dlpack_device__()
+
+
+def test_legacy_dlpack_receive_targets_land_in_place() -> None:
+    arr = np.zeros((3, 4), dtype=np.float32)
+    view = as_bytes(_LegacyExporter(arr), writable=True)
+    view[:] = 1
+    assert np.shares_memory(view, arr) and (arr.view(np.uint8) == 1).all()
+    typed = as_array(_LegacyExporter(arr), writable=True)
+    typed[...] = 5
+    assert typed.shape == (3, 4) and (arr == 5).all()
+    fortran = np.asfortranarray(np.zeros((3, 2)))
+    as_bytes(_LegacyExporter(fortran), writable=True)[:8] = 255
+    assert np.isnan(fortran[0, 0])  # the first 8 bytes in memory, in place
+    versioned = np.arange(4.0)
+    versioned.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        as_bytes(versioned, writable=True)  # a read-only NumPy array stays read-only
+
+
+def legacy_receive(comm: Any) -> bool:
+    target = np.zeros(5)
+    if comm.rank == 0:
+        comm.send(np.arange(5.0), 1)
+    else:
+        comm.recv(_LegacyExporter(target), 0)
+        assert (target == np.arange(5.0)).all()
+    return True
+
+
+@pytest.mark.timeout(30)
+def test_legacy_dlpack_receive_through_a_communicator() -> None:
+    import tcoll
+
+    assert tcoll.spawn(legacy_receive, 2, threads=True, timeout=30) == [True, True]

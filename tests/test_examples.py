@@ -3,13 +3,13 @@
 examples/ring.py is the README's demo; examples/collectives/*.py are the six
 collectives of the torch.distributed walk-through, whose printed values are
 checked against NumPy; examples/sgd.py trains data-parallel and checks itself
-against training in one process.
+against training in one process; examples/heat.py trades halos by sendrecv and
+checks itself against one process.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import subprocess
@@ -21,6 +21,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from helpers.procs import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,18 +61,18 @@ def _run_own(nprocs: int, *args: str) -> subprocess.CompletedProcess[str]:
 
 # -- examples/collectives: the seed's six collectives -----------------------------------------
 
-_DATA_LINE = re.compile(r"^\[(\d+)\] \[(\d+)\] data = (.*)$")
+_DATA_LINE = re.compile(r"^\[(\d+)\] data = (.*)$")
 
 
 def _printed_data(stdout: str) -> dict[int, str]:
-    """{rank: what it printed after "data ="}, from lines "[r] [r] data = ..." (launcher prefix, then the seed's)."""
+    """{rank: what it printed after "data ="}, from lines "[r] data = ..." (the seed's prefix, not doubled)."""
     printed: dict[int, str] = {}
     for line in stdout.splitlines():
+        assert not re.match(r"^\[\d+\] \[\d+\] ", line), f"doubled prefix: {line!r}"
         match = _DATA_LINE.match(line)
         if match is None:
             continue
-        prefix, rank, value = int(match[1]), int(match[2]), match[3]
-        assert prefix == rank, f"rank {prefix} claims to be rank {rank}: {line!r}"
+        rank, value = int(match[1]), match[2]
         assert rank not in printed, f"rank {rank} printed twice:\n{stdout}"
         printed[rank] = value
     return printed
@@ -138,11 +139,7 @@ _SGD_DEFAULTS = argparse.Namespace(epochs=20, batch_size=64, lr=0.5, seed=0)  # 
 
 def _sgd_module() -> ModuleType:
     """examples/sgd.py imported as a module (its training loop runs without a communicator)."""
-    spec = importlib.util.spec_from_file_location("tcoll_example_sgd", ROOT / "examples" / "sgd.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "examples" / "sgd.py", "tcoll_example_sgd")
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +182,14 @@ def test_sgd_example_single_process(sgd_reference: list[float]) -> None:
     assert result.returncode == 0, result.stderr
     _check_sgd_output(result.stdout, 1, sgd_reference)
     assert "trained on 1 rank(s)" in result.stdout
+
+
+# -- examples/heat.py: a halo exchange by sendrecv, checked against one process ------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [1, 3, 4])
+def test_heat_example(nprocs: int) -> None:
+    result = _run_own(nprocs, "examples/heat.py", "--points", "101", "--steps", "1500")
+    assert result.returncode == 0, result.stderr
+    assert f"on {nprocs} rank(s): matches one process exactly" in result.stdout, result.stdout

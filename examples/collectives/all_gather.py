@@ -2,7 +2,7 @@
 
 Run it with the launcher (4 ranks, as in the torch.distributed original):
 
-    tcoll run -n 4 --no-prefix examples/collectives/all_gather.py
+    tcoll run -n 4 examples/collectives/all_gather.py
 
 Rank r contributes [r.]; every rank receives them stacked in rank order, an
 array of shape (4, 1), printed here as a flat array. Output (the order of

@@ -2,7 +2,7 @@
 
 Run it with the launcher (4 ranks, as in the torch.distributed original):
 
-    tcoll run -n 4 --no-prefix examples/collectives/all_reduce.py
+    tcoll run -n 4 examples/collectives/all_reduce.py
 
 Every rank starts with [1.] and ends with the sum over the ranks (4.0 with 4
 ranks). Output (the order of lines may vary):

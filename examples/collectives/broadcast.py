@@ -2,7 +2,7 @@
 
 Run it with the launcher (4 ranks, as in the torch.distributed original):
 
-    tcoll run -n 4 --no-prefix examples/collectives/broadcast.py
+    tcoll run -n 4 examples/collectives/broadcast.py
 
 Rank 0 holds [0.]; the other ranks start with an uninitialised array and end
 with rank 0's [0.]. Output (the order of lines may vary):

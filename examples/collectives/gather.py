@@ -2,7 +2,7 @@
 
 Run it with the launcher (4 ranks, as in the torch.distributed original):
 
-    tcoll run -n 4 --no-prefix examples/collectives/gather.py
+    tcoll run -n 4 examples/collectives/gather.py
 
 Rank r contributes [r.]; rank 0 receives them stacked in rank order, an array
 of shape (4, 1), printed here as a flat array. Output:

@@ -2,7 +2,7 @@
 
 Run it with the launcher (4 ranks, as in the torch.distributed original):
 
-    tcoll run -n 4 --no-prefix examples/collectives/reduce.py
+    tcoll run -n 4 examples/collectives/reduce.py
 
 Every rank starts with [1.]; after the reduce, rank 0 holds the sum over the
 ranks (4.0 with 4 ranks). The other ranks' arrays are left as they were (1.0);

@@ -2,7 +2,7 @@
 
 Run it with the launcher (4 ranks, as in the torch.distributed original):
 
-    tcoll run -n 4 --no-prefix examples/collectives/scatter.py
+    tcoll run -n 4 examples/collectives/scatter.py
 
 Rank 0 holds the chunks [1.], [2.], [3.], [4.]; rank r receives [r + 1.].
 Output (the order of lines may vary):

@@ -1,20 +1,21 @@
 # Broadcast with torch.distributed on the tcoll backend.
 # From the torch.distributed walk-through "Collective Communication in Distributed
 # Systems with PyTorch" (Roboflow blog, 2023), unchanged except for the backend
-# name: "gloo" became "tcoll". Run it with `python examples/torch/broadcast.py`.
+# name ("gloo" became "tcoll") and the start (launching.py, no fixed port). Run it
+# with `python examples/torch/broadcast.py` or `tcoll run -n 4 examples/torch/broadcast.py`.
 
 import os
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from launching import start  # as one rank of tcoll run / torchrun, or 4 ranks here
 
 
 def init_process(rank: int, size: int, fn: Callable[[int, int], None], backend="tcoll"):
     """Initialize the distributed environment."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = "29500"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(backend, rank=rank, world_size=size)
     fn(rank, size)
 
@@ -33,13 +34,4 @@ def do_broadcast(rank: int, size: int):
 
 
 if __name__ == "__main__":
-    size = 4
-    processes = []
-    mp.set_start_method("spawn")
-    for rank in range(size):
-        p = mp.Process(target=init_process, args=(rank, size, do_broadcast))
-        p.start()
-        processes.append(p)
-
-    for p in processes:
-        p.join()
+    start(init_process, 4, do_broadcast)

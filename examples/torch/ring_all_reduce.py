@@ -1,7 +1,8 @@
 # The isend/recv ring all-reduce on the tcoll backend.
 # From the seed's all_reduce.py ("Implement torch.distributed.all_reduce using only
-# send and recv"), unchanged except for the backend name: "gloo" became "tcoll".
-# Run it with `python examples/torch/ring_all_reduce.py`.
+# send and recv"), unchanged except for the backend name ("gloo" became "tcoll") and the start
+# (launching.py, no fixed port). Run it with `python examples/torch/ring_all_reduce.py`
+# or `tcoll run -n 4 examples/torch/ring_all_reduce.py`.
 """All-reduce.
 Implement torch.distributed.all_reduce using only send and recv
 and with the following approaches:
@@ -12,6 +13,7 @@ import os
 import math  # noqa: F401 - unused in the seed too
 import torch
 import torch.distributed
+from launching import start  # as one rank of tcoll run / torchrun, or 4 ranks here
 def naive_all_reduce(tensor):
     """Naive all-reduce.
     # How does it work?
@@ -63,8 +65,8 @@ def ring_all_reduce(tensor):
         torch.distributed.recv(chunks[j], src=src)
         send_req.wait()
 def main(rank, world_size, all_reduce_fn):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = "29500"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
     torch.distributed.init_process_group("tcoll", rank=rank, world_size=world_size)
     # The tensor has to be a multiple of world_size for the pipelining.
     tensor = torch.tensor([rank for _ in range(world_size)])
@@ -72,14 +74,7 @@ def main(rank, world_size, all_reduce_fn):
     print(rank, tensor)
     torch.distributed.destroy_process_group()
 if __name__ == "__main__":
-    world_size = 4
     #all_reduce_fn = torch.distributed.all_reduce
     #all_reduce_fn = naive_all_reduce
     all_reduce_fn = ring_all_reduce
-    processes = []
-    for rank in range(world_size):
-        p = torch.multiprocessing.Process(target=main, args=(rank, world_size, all_reduce_fn))
-        p.start()
-        processes.append(p)
-    for p in processes:
-        p.join()
+    start(main, 4, all_reduce_fn)

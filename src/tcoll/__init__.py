@@ -14,11 +14,14 @@ from .api import (algorithms, all_gather, all_gather_object, all_gatherv, all_re
                   barrier, broadcast, broadcast_object, dup, gather, gather_object, gatherv, group, irecv, isend,
                   recv, recv_object, reduce, reduce_scatter, reduce_scatterv, scatter, scatter_object, scatterv,
                   send, send_object, split)
+from .api import (all_to_all_object, exscan, exscan_object, iprobe, irecv_object, isend_object, probe, scan,
+                  scan_object, sendrecv, sendrecv_object, sendrecv_replace)
 from .comm.communicator import Communicator
+from .comm.pairs import ANY_SOURCE, ANY_TAG, Status
 from .errors import (MessageSizeError, MismatchError, PeerFailedError, PeerLostError, RendezvousError, SpawnError,
                      TcollError, TimeoutError, TransportError)
 from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
-from .p2p.work import Work
+from .p2p.work import Work, test_some, wait_all, wait_any
 from .startup.init import default_communicator, init
 from .startup.spawn import spawn
 
@@ -35,4 +38,12 @@ __all__ = [
     "barrier", "all_gatherv", "gatherv", "scatterv", "all_to_allv", "reduce_scatterv",
     "broadcast_object", "all_gather_object", "gather_object", "scatter_object", "send_object", "recv_object",
     "split", "group", "dup",
+    "ANY_SOURCE", "ANY_TAG", "Status", "wait_all", "wait_any", "test_some",
+    "scan", "exscan", "scan_object", "exscan_object", "all_to_all_object", "sendrecv", "sendrecv_replace",
+    "sendrecv_object", "probe", "iprobe", "isend_object", "irecv_object",
 ]
+
+
+def __dir__() -> list[str]:
+    """Public names only: the subpackages imported above (algos, comm, p2p, ...) are internals."""
+    return sorted(__all__)

@@ -21,6 +21,8 @@ __all__ = [
     "scatter", "reduce_scatter", "all_to_all", "barrier", "all_gatherv", "gatherv", "scatterv", "all_to_allv",
     "reduce_scatterv", "broadcast_object", "all_gather_object", "gather_object", "scatter_object",
     "send_object", "recv_object", "split", "group", "dup",
+    "scan", "exscan", "scan_object", "exscan_object", "all_to_all_object", "sendrecv", "sendrecv_replace",
+    "sendrecv_object", "probe", "iprobe", "isend_object", "irecv_object",
 ]
 
 
@@ -168,3 +170,69 @@ def group(ranks: Sequence[int]) -> Communicator | None:
 def dup() -> Communicator:
     """dup on the default communicator (see Communicator.dup)."""
     return default_communicator().dup()
+
+
+# -- what MPI users reach for (tcoll.comm.prefix, pairs, parcels) ----------------------------------
+
+
+def scan(x: Any, op: str | Op = "sum", *, algorithm: str = "auto", async_op: bool = False) -> Any:
+    """scan on the default communicator (see Communicator.scan)."""
+    return default_communicator().scan(x, op, algorithm=algorithm, async_op=async_op)
+
+
+def exscan(x: Any, op: str | Op = "sum", *, algorithm: str = "auto", async_op: bool = False) -> Any:
+    """exscan on the default communicator (see Communicator.exscan)."""
+    return default_communicator().exscan(x, op, algorithm=algorithm, async_op=async_op)
+
+
+def scan_object(obj: Any, op: Any = "sum", *, async_op: bool = False) -> Any:
+    """scan_object on the default communicator (see Communicator.scan_object)."""
+    return default_communicator().scan_object(obj, op, async_op=async_op)
+
+
+def exscan_object(obj: Any, op: Any = "sum", *, async_op: bool = False) -> Any:
+    """exscan_object on the default communicator (see Communicator.exscan_object)."""
+    return default_communicator().exscan_object(obj, op, async_op=async_op)
+
+
+def all_to_all_object(objs: Sequence[Any], *, async_op: bool = False) -> Any:
+    """all_to_all_object on the default communicator (see Communicator.all_to_all_object)."""
+    return default_communicator().all_to_all_object(objs, async_op=async_op)
+
+
+def sendrecv(sendbuf: Any, dst: int, recvbuf: Any, src: int, sendtag: int = 0, recvtag: int = 0,
+             async_op: bool = False) -> Any:
+    """sendrecv on the default communicator (see Communicator.sendrecv)."""
+    return default_communicator().sendrecv(sendbuf, dst, recvbuf, src, sendtag, recvtag, async_op)
+
+
+def sendrecv_replace(buf: Any, dst: int, src: int, sendtag: int = 0, recvtag: int = 0,
+                     async_op: bool = False) -> Any:
+    """sendrecv_replace on the default communicator (see Communicator.sendrecv_replace)."""
+    return default_communicator().sendrecv_replace(buf, dst, src, sendtag, recvtag, async_op)
+
+
+def sendrecv_object(obj: Any, dst: int, src: int, sendtag: int = 0, recvtag: int = 0,
+                    async_op: bool = False) -> Any:
+    """sendrecv_object on the default communicator (see Communicator.sendrecv_object)."""
+    return default_communicator().sendrecv_object(obj, dst, src, sendtag, recvtag, async_op)
+
+
+def probe(src: int = -1, tag: int = -1, timeout: float | None = None) -> Any:
+    """probe on the default communicator (see Communicator.probe)."""
+    return default_communicator().probe(src, tag, timeout)
+
+
+def iprobe(src: int = -1, tag: int = -1) -> Any:
+    """iprobe on the default communicator (see Communicator.iprobe)."""
+    return default_communicator().iprobe(src, tag)
+
+
+def isend_object(obj: Any, dst: int, tag: int = 0) -> Work:
+    """isend_object on the default communicator (see Communicator.isend_object)."""
+    return default_communicator().isend_object(obj, dst, tag)
+
+
+def irecv_object(src: int, tag: int = 0) -> Work:
+    """irecv_object on the default communicator (see Communicator.irecv_object)."""
+    return default_communicator().irecv_object(src, tag)

@@ -7,8 +7,8 @@ object, which is how a receive lands in place.
 
 from __future__ import annotations
 
+import ctypes
 import functools
-
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ def as_bytes(obj: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
     if type(obj) is np.ndarray:
         arr = obj
     else:
-        arr = _to_ndarray(obj, what)
+        arr = _to_ndarray(obj, what, writable)
     _check_usable(arr, writable, what, fortran_ok=True)
     if arr.dtype == _U8 and arr.ndim == 1:
         return arr
@@ -46,8 +46,8 @@ def as_bytes(obj: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
     return arr.reshape(-1, order="A").view(_U8)
 
 
-def _to_ndarray(obj: Any, what: str) -> np.ndarray:
-    """Convert a non-ndarray buffer to an ndarray view of the same memory."""
+def _to_ndarray(obj: Any, what: str, writable: bool = False) -> np.ndarray:
+    """Convert a non-ndarray buffer to an ndarray view of the same memory (writable: a receive target)."""
     if isinstance(obj, np.ndarray):  # ndarray subclasses (np.memmap, ...)
         return np.asarray(obj)
     module = type(obj).__module__
@@ -55,9 +55,10 @@ def _to_ndarray(obj: Any, what: str) -> np.ndarray:
         return _torch_to_ndarray(obj, what)
     if hasattr(obj, "__dlpack__"):
         try:
-            return np.from_dlpack(obj)
+            arr = np.from_dlpack(obj)
         except (TypeError, RuntimeError, BufferError) as exc:
             raise TypeError(f"{what}: cannot read {type(obj).__name__} through DLPack: {exc}") from None
+        return _writable(arr) if writable and not arr.flags.writeable and _legacy_dlpack(obj) else arr
     try:
         view = memoryview(obj)
     except TypeError:
@@ -68,6 +69,29 @@ def _to_ndarray(obj: Any, what: str) -> np.ndarray:
     if not view.contiguous:
         raise ValueError(f"{what} must be contiguous")
     return np.frombuffer(view, dtype=_U8) if view.readonly else np.asarray(view).reshape(-1).view(_U8)
+
+
+def _legacy_dlpack(obj: Any) -> bool:
+    """Whether `obj` speaks only the unversioned DLPack protocol, which cannot say whether memory is read-only.
+
+    NumPy marks what such an exporter gives as read-only; tcoll takes the
+    exporter at its word that a receive target may be written, as it does for torch.
+    """
+    try:
+        obj.__dlpack__(max_version=(1, 0))  # the capsule, unused, releases the export when collected
+    except TypeError:
+        return True
+    return False
+
+
+def _writable(arr: np.ndarray) -> np.ndarray:
+    """A writable view of the memory of `arr`, which it keeps alive."""
+    order = "C" if arr.flags.c_contiguous else "F" if arr.flags.f_contiguous else None
+    if order is None or not arr.nbytes:
+        return arr  # strided (refused as such later) or empty: nothing to write
+    raw = (ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)
+    raw._keep = arr  # type: ignore[attr-defined]  # the exporter's memory lives as long as the view
+    return np.frombuffer(raw, dtype=arr.dtype).reshape(arr.shape, order=order)
 
 
 def _torch_to_ndarray(tensor: Any, what: str) -> np.ndarray:
@@ -123,7 +147,7 @@ def as_array(obj: Any, *, writable: bool, what: str = "buffer") -> np.ndarray:
             raise TypeError(f"{what} is a NumPy scalar, which cannot change in place; pass np.array([...])")
         arr = np.asarray(obj)
     else:
-        arr = _to_ndarray(obj, what)
+        arr = _to_ndarray(obj, what, writable)
     _check_usable(arr, writable, what, fortran_ok=False)
     return arr
 

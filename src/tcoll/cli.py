@@ -78,6 +78,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="job id, [A-Za-z0-9_.]; names shared-memory segments (default: random)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="do not prefix each output line with '[rank] '")
+    parser.add_argument("--trace", metavar="FILE.json",
+                        help="write a timeline of the job (Perfetto / chrome://tracing JSON), as TCOLL_TRACE=FILE")
     parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="set a variable in every rank (repeatable)")
     parser.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
@@ -103,6 +105,10 @@ def _run(args: argparse.Namespace) -> int:
             command = command[1:]
     if not command:
         args._parser.error("no script or module to run")
+    if args.trace:
+        import os
+
+        args.env.append(("TCOLL_TRACE", os.path.abspath(args.trace)))
     host, port = args.master or ("", 0)
     config = LaunchConfig(command=command, nprocs=args.nprocs, nnodes=args.nnodes,
                           node_rank=args.node_rank, master_addr=host, master_port=port,
@@ -149,8 +155,94 @@ def _bench(args: argparse.Namespace) -> int:
     return int(module.main(args))
 
 
+# -- tcoll explain | trace ------------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    """argparse type for a byte count: 8, 64MiB, 1G."""
+    from tcoll.env import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_call_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that name a collective call: what, how big, how many ranks."""
+    from tcoll.algos.registry import COLLECTIVES
+
+    parser.add_argument("collective", choices=COLLECTIVES, metavar="collective",
+                        help=f"one of {', '.join(COLLECTIVES)}")
+    parser.add_argument("-n", "--nranks", type=int, default=4, metavar="N", help="ranks (default: 4)")
+
+
+def _add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``tcoll explain`` subparser."""
+    _add_call_arguments(parser)
+    parser.add_argument("size", type=_size, metavar="SIZE",
+                        help="bytes of one rank's input: 8, 4096, 256K, 64MiB, 1G")
+    parser.add_argument("--transport", choices=("shm", "tcp", "loopback"), default="shm",
+                        help="whose link costs to use (default: shm)")
+    parser.add_argument("--hosts", type=int, default=1, metavar="H",
+                        help="hosts the ranks span; above 1 they talk over tcp (default: 1)")
+    parser.add_argument("--async", dest="blocking", action="store_false",
+                        help="an async_op=True call: the shared-memory direct algorithms do not run")
+    parser.add_argument("--ordered", action="store_true", help="the op is not commutative (keep rank order)")
+
+
+def _explain(args: argparse.Namespace) -> int:
+    """Show every algorithm's predicted time, messages and bytes for one call, and the choice (runs nothing)."""
+    from tcoll.algos.select import explain
+
+    if args.nranks < 1 or args.hosts < 1:
+        print("tcoll explain: -n and --hosts must be at least 1", file=sys.stderr)
+        return 2
+    print(explain(args.collective, args.size, args.nranks, args.transport, ordered=args.ordered,
+                  blocking=args.blocking, hosts=args.hosts))
+    return 0
+
+
+def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``tcoll trace`` subparser."""
+    _add_call_arguments(parser)
+    parser.add_argument("--algorithm", default="auto",
+                        help="a point-to-point algorithm (default: the cost model's choice over shm)")
+    parser.add_argument("--size", type=_size, default=16, metavar="SIZE",
+                        help="bytes of one rank's input, float32 elements (default: 16)")
+    parser.add_argument("--root", type=int, default=0, help="root of rooted collectives (default: 0)")
+    parser.add_argument("--chunk", type=_size, default=0, metavar="BYTES",
+                        help="bytes per message of pipelined algorithms (default: no cutting)")
+    parser.add_argument("--steps", action="store_true", help="one panel per step, ranks on a circle")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="the picture: .png or .svg")
+
+
+def _trace(args: argparse.Namespace) -> int:
+    """Draw an algorithm's schedule: who sends which block to whom at each step (needs matplotlib)."""
+    from tcoll.algos.record import record
+    from tcoll.algos.select import COSTS, choose
+
+    name = args.algorithm
+    if name == "auto":
+        name = choose(args.collective, args.size, args.nranks, COSTS["shm"]).name
+    try:
+        from tcoll.trace.draw import draw, draw_steps, save
+
+        options = {"chunk_bytes": args.chunk} if args.chunk else {}
+        schedule = record(args.collective, name, args.nranks, max(1, args.size // 4), root=args.root, **options)
+        save((draw_steps if args.steps else draw)(schedule), args.output)
+    except (ImportError, ValueError, RuntimeError) as exc:
+        print(f"tcoll trace: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {schedule.collective} {schedule.algorithm} on {schedule.size} ranks, "
+          f"{len(schedule.messages)} messages in {schedule.steps} step{'s' if schedule.steps != 1 else ''}")
+    return 0
+
+
 register_command("run", _add_run_arguments, _run)
 register_command("bench", _add_bench_arguments, _bench)
+register_command("explain", _add_explain_arguments, _explain)
+register_command("trace", _add_trace_arguments, _trace)
 
 
 # -- entry point ----------------------------------------------------------------------------
@@ -171,7 +263,10 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     Returns:
         The parser; parsed arguments carry ``handler``.
     """
+    from tcoll import __version__
+
     parser = argparse.ArgumentParser(prog="tcoll", description="Collective communication for Python.")
+    parser.add_argument("--version", action="version", version=f"tcoll {__version__}")
     subparsers = parser.add_subparsers(dest="command_name", metavar="command")
     for name, (add_arguments, handler) in COMMANDS.items():
         summary = _summary(handler)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Settings", "parse_size", "TRANSPORT_CHOICES"]
+__all__ = ["Settings", "parse_size", "read_variables", "TRANSPORT_CHOICES"]
 
 TRANSPORT_CHOICES = ("auto", "shm", "tcp", "mpi")
 
@@ -39,6 +39,32 @@ def parse_size(text: str | int) -> int:
     if not match:
         raise ValueError(f"not a byte size: {text!r} (examples: 4096, 256K, 4MiB, 1G)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def read_variables(spec: Mapping[str, tuple[str, Callable[[str], Any]]],
+                   environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Read the variables that are set (and not empty) into fields.
+
+    Args:
+        spec: {field: (variable name, converter)}.
+        environ: the variables to read (default: os.environ).
+
+    Returns:
+        {field: converted value} for every variable set.
+
+    Raises:
+        ValueError: a variable has a bad value (the message names it).
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for field, (var, convert) in spec.items():
+        raw = environ.get(var)
+        if raw not in (None, ""):
+            try:
+                values[field] = convert(raw)
+            except ValueError as exc:
+                raise ValueError(f"{var}={raw!r}: {exc}") from None
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +144,7 @@ class Settings:
         Raises:
             ValueError: a variable or override has a bad value.
         """
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for field, (var, convert) in cls._ENV.items():  # type: ignore[attr-defined]
-            raw = environ.get(var)
-            if raw not in (None, ""):
-                try:
-                    values[field] = convert(raw)
-                except ValueError as exc:
-                    raise ValueError(f"{var}={raw!r}: {exc}") from None
+        values = read_variables(cls._ENV, environ)  # type: ignore[attr-defined]
         for field, value in overrides.items():
             if value is not None:
                 values[field] = parse_size(value) if field in _SIZE_FIELDS else value

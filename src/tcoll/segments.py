@@ -1,8 +1,11 @@
 """Every shared-memory file tcoll makes: its name, creating and mapping it, removing it, sweeping leftovers.
 
-The shm transport's rings, a communicator's collective arena and the
-zero-copy buffers of `Communicator.empty` all live in files under /dev/shm
-named ``tcoll-<run id>-<rank>-<token>``. One convention, one way to create
+The shm transport's rings and a communicator's collective arena live in files
+under /dev/shm named ``tcoll-<run id>-<rank>-<token>``, removed as soon as every
+rank has mapped them. The zero-copy buffers of `Communicator.empty`, which
+readers map whenever they first meet one, are memfds of the same name found
+through /proc/<pid>/fd (files only where ranks of a host see different pid
+namespaces), so a killed rank leaves nothing behind. One convention, one way to create
 and map them, and one sweep, which `tcoll run` and `tcoll.spawn` use to
 remove what a finished run left behind.
 """
@@ -14,7 +17,8 @@ import os
 
 from .errors import TransportError
 
-__all__ = ["SHM_DIR", "Segment", "segment_name", "unlink", "remove_shm_segments"]
+__all__ = ["SHM_DIR", "Segment", "segment_name", "unlink", "remove_shm_segments", "find_anonymous",
+           "anonymous_link"]
 
 SHM_DIR = "/dev/shm"
 
@@ -79,6 +83,36 @@ class Segment:
             os.close(fd)
 
     @classmethod
+    def create_anonymous(cls, name: str, size: int) -> Segment:
+        """A segment with no file in /dev/shm: a memfd, found by others at /proc/<pid>/fd/<fd>.
+
+        Its memory goes when this process has closed it (or died) and every
+        mapping is gone, so a kill -9 leaves nothing behind, whoever launched.
+        Readers find it with `find_anonymous` while this process holds it.
+
+        Args:
+            name: the name readers look for (the usual segment name).
+            size: bytes (at least 1 is allocated).
+
+        Raises:
+            TransportError: memfd is not available or memory is short.
+        """
+        length = max(size, 1)
+        try:
+            fd = os.memfd_create(name)
+        except (AttributeError, OSError) as exc:
+            raise TransportError(f"cannot create the memory file {name}: {exc}") from exc
+        try:
+            os.ftruncate(fd, length)
+            os.posix_fallocate(fd, 0, length)  # allocate now, not on first touch in a hot path
+            segment = cls(f"/proc/{os.getpid()}/fd/{fd}", size, _map(fd, length))
+        except OSError as exc:
+            os.close(fd)
+            raise TransportError(f"cannot allocate {size} B of shared memory for {name}: {exc}") from exc
+        segment.fd = fd
+        return segment
+
+    @classmethod
     def open(cls, path: str) -> Segment:
         """Map the whole file at `path`, made by another rank.
 
@@ -95,9 +129,15 @@ class Segment:
         except OSError as exc:
             raise TransportError(f"cannot map {path}: {exc}") from exc
 
+    fd: int | None = None  # the memfd a `create_anonymous` segment holds open for its readers
+
     def unlink(self) -> None:
-        """Remove the file; the mapping stays valid (and so do other ranks' mappings)."""
-        unlink(self.path)
+        """Remove the file (or let go of the memfd); the mapping stays valid, and so do other ranks'."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        else:
+            unlink(self.path)
 
     def close(self) -> None:
         """Unmap, unless a view is still exported (then the mapping goes with the last view)."""
@@ -105,6 +145,27 @@ class Segment:
             self.map.close()
         except BufferError:
             pass
+
+
+def anonymous_link(name: str) -> str:
+    """What /proc/<pid>/fd/<n> reads as for the memfd called `name`."""
+    return f"/memfd:{name} (deleted)"
+
+
+def find_anonymous(pid: int, name: str) -> str | None:
+    """The /proc path of process `pid`'s memfd called `name`, or None if it holds none by that name."""
+    base, wanted = f"/proc/{pid}/fd", anonymous_link(name)
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"{base}/{fd}") == wanted:
+                return f"{base}/{fd}"
+        except OSError:
+            continue
+    return None
 
 
 def _map(fd: int, size: int) -> mmap.mmap:

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sizes_between() -> None:
-    assert sizes_between(8, 256, 4) == [8, 32, 128]
+    assert sizes_between(8, 256, 4) == [8, 32, 128, 256]
+    assert sizes_between(8, 64 << 20, 4)[-2:] == [32 << 20, 64 << 20]  # -e 64M is measured
+    assert sizes_between(8, 8, 4) == [8]
     assert sizes_between(1 << 20, 64 << 20, 4) == [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     with pytest.raises(ValueError):
         sizes_between(0, 8, 2)

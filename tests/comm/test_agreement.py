@@ -178,3 +178,38 @@ def test_overlapping_input_and_output_give_the_right_answer(collective: str) -> 
             else:
                 want = [float(sum(10.0 * q + r for q in range(size)))]
             assert got == want, (algorithm, r, got, want)
+
+
+def absent_rank(comm: tcoll.Communicator, flag: str, busy: bool) -> str:
+    """Rank 2 is not in the collective: inside a receive (busy=False) or in its own code (busy=True)."""
+    import os
+
+    x = np.ones(1000)
+    if comm.rank != 2:
+        comm.timeout = 2.0
+        said = _outcome(lambda: comm.all_reduce(x, algorithm="ring"))
+        if comm.rank == 0:
+            comm.timeout = 20.0
+            open(flag, "w").close()
+            comm.send(np.ones(1), 2, tag=7)  # let rank 2 go on
+        return said
+    comm.timeout = 20.0
+    if busy:
+        while not os.path.exists(flag):  # not a tcoll call: its engine makes no progress
+            pass
+    comm.recv(np.empty(1), src=0, tag=7)
+    return "ok"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("busy", [False, True], ids=["in_another_call", "in_its_own_code"])
+def test_a_timeout_names_the_rank_that_never_entered_the_call(tmp_path: Any, busy: bool) -> None:
+    flag = str(tmp_path / "flag")
+    results = tcoll.spawn(absent_rank, 3, (flag, busy), timeout=60, transport="tcp")
+    for rank in (0, 1):
+        said = results[rank]
+        assert said.startswith(("TimeoutError", "PeerFailedError")), said
+        if busy:
+            assert "rank(s) [2] did not answer" in said and "not in any tcoll call" in said, said
+        else:
+            assert "rank 2 (its last call is #0) never entered it" in said, said

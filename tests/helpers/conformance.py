@@ -226,7 +226,7 @@ def check_bad_arguments(comm: tcoll.Communicator) -> None:
     with pytest.raises(ValueError, match="rank"):
         comm.isend(np.zeros(1), comm.size)
     with pytest.raises(ValueError, match="rank"):
-        comm.irecv(np.zeros(1), -1)
+        comm.irecv(np.zeros(1), -2)  # -1 is ANY_SOURCE
     with pytest.raises(ValueError, match="tag"):
         comm.isend(np.zeros(1), right(comm), tag=-1)
     with pytest.raises(ValueError, match="read-only"):

@@ -6,6 +6,7 @@ polled with a deadline) or through tcoll messages, never through sleeps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -24,6 +26,15 @@ _HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
 
 
 # -- files as signals between ranks ---------------------------------------------------------
+
+
+def load_script(path: str | os.PathLike[str], name: str) -> ModuleType:
+    """Import the Python file `path` (a script or example, not on sys.path) as the module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
@@ -153,6 +164,44 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
+
+
+def run_ranks(cwd: str | os.PathLike[str], args: list[str], size: int, run_id: str, timeout: float = 45,
+              **extra: str) -> list[int]:
+    """Run `python <args>` as ranks 0..size-1 of one job whose store this process hosts (key "k").
+
+    Each rank gets the variables `tcoll run` would give it, plus `extra`. Ranks still
+    running after `timeout` seconds are killed (and the test fails on their exit code).
+
+    Returns:
+        Each rank's exit code.
+    """
+    import subprocess
+    import sys
+
+    from tcoll.store.tcp import TCPStoreServer
+
+    server = TCPStoreServer("127.0.0.1", 0, auth_key="k")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(size):
+            env = clean_env(TCOLL_RANK=str(rank), TCOLL_SIZE=str(size), TCOLL_LOCAL_RANK=str(rank),
+                            TCOLL_LOCAL_SIZE=str(size), TCOLL_MASTER=f"127.0.0.1:{server.port}",
+                            TCOLL_STORE_HOSTED="1", TCOLL_RUN_ID=run_id, TCOLL_AUTH_KEY="k", **extra)
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=cwd, env=env))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return [proc.wait() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        server.close()
 
 
 # -- ports and threads ----------------------------------------------------------------------

@@ -143,6 +143,25 @@ def finish(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str, 
 # -- command line -------------------------------------------------------------------------
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tcoll
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"tcoll {tcoll.__version__}\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_prefix_the_rank_printed_itself_is_not_doubled(tmp_path: Path) -> None:
+    body = """
+        import os
+        print(f"[{os.environ['RANK']}] data = 4.0")
+        print("plain")
+    """
+    result = run(tmp_path, "-n", "2", script(tmp_path, body))
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0] data = 4.0", "[0] plain", "[1] data = 4.0", "[1] plain"]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("argv", "command", "nprocs"), [
     (["-n", "2", "s.py", "--foo", "-n", "3"], ["s.py", "--foo", "-n", "3"], 2),
@@ -243,7 +262,9 @@ def test_a_raising_rank_fails_the_job_quickly_with_its_traceback(tmp_path: Path)
     assert result.returncode == 1
     assert "tcoll run: rank 1 (pid " in result.stderr and "exited with code 1" in result.stderr
     report = result.stderr[result.stderr.index("tcoll run: rank 1"):]
-    assert "ValueError: boom from rank one" in report
+    assert "ValueError: boom from rank one" in report.splitlines()[0]  # the failure named in one line
+    assert result.stderr.count("Traceback (most recent call last)") == 1  # forwarded once, not repeated
+    assert result.stderr.count("[1] Traceback (most recent call last)") == 1
     for pid in pids(tmp_path, range(3)):
         assert_gone(pid)
 
@@ -393,3 +414,37 @@ def test_losing_node_0_stops_node_1(tmp_path: Path, reaper: Callable[[int], int]
         assert_gone(pid)
     for pid in ranks[:2]:  # node 0's ranks die with their launcher
         reaper(pid)
+
+
+_ECHO_FIRST = """
+    import os, pathlib, time
+    import tcoll
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        pathlib.Path("pid0").write_text(str(os.getpid()))
+        raise tcoll.PeerLostError(1, "its process is gone")
+    deadline = time.monotonic() + 20
+    while not pathlib.Path("pid0").exists() or _running(int(pathlib.Path("pid0").read_text() or 0)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    raise ValueError("the cause of it all")
+"""
+
+_RUNNING = """
+def _running(pid):
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_cause_is_reported_not_the_first_rank_to_exit(tmp_path: Path) -> None:
+    """Rank 0 exits first with a PeerLostError (an echo); rank 1's ValueError is what the launcher reports."""
+    name = script(tmp_path, _RUNNING + textwrap.dedent(_ECHO_FIRST))
+    done = run(tmp_path, "-n", "2", name)
+    assert done.returncode == 1
+    report = [line for line in done.stderr.splitlines() if line.startswith("tcoll run: rank")]
+    assert report and report[0].startswith("tcoll run: rank 1 "), done.stderr

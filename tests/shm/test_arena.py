@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import tcoll
-from tcoll.errors import MismatchError, TimeoutError
 from tcoll.algos import stamps
+from tcoll.errors import MismatchError, TimeoutError
 from tcoll.shm import arena as arena_module
 
 

@@ -10,10 +10,24 @@ from typing import Any
 import pytest
 from helpers.procs import free_port
 
-from tcoll.startup import rendezvous
 from tcoll.errors import RendezvousError, TimeoutError
-from tcoll.startup.rendezvous import LaunchInfo, detect, exchange_cards, open_store, store_barrier, store_leave
-from tcoll.store import FileStore, MemoryStore, PrefixStore, Store, TCPStore, TCPStoreServer
+from tcoll.startup import rendezvous
+from tcoll.startup.rendezvous import (
+    LaunchInfo,
+    detect,
+    exchange_cards,
+    open_store,
+    store_barrier,
+    store_leave,
+)
+from tcoll.store import (
+    FileStore,
+    MemoryStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+    TCPStoreServer,
+)
 
 # Every test here may start threads (servers, ranks) or processes: none may hang the suite.
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]

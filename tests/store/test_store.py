@@ -19,7 +19,7 @@ from helpers.procs import free_port
 from tcoll.errors import RendezvousError, TimeoutError
 from tcoll.store import FileStore, MemoryStore, PrefixStore, Store, TCPStore, TCPStoreServer, TorchStore
 from tcoll.store import tcp as tcp_module
-from tcoll.store.wire import Op, encode, send_frame
+from tcoll.store.wire import MAGIC, NONCE, Op, encode, send_frame
 
 # Every test here may start threads (servers, ranks) or processes: none may hang the suite.
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
@@ -426,7 +426,7 @@ def test_server_survives_bad_and_vanishing_clients() -> None:
             raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
         # A real client whose blocking request outlives it.
         with socket.create_connection(("127.0.0.1", server.port)) as raw:
-            send_frame(raw, encode(Op.HELLO, b"tcoll-store/1"))
+            send_frame(raw, encode(Op.HELLO, MAGIC, bytes(NONCE)))
             raw.recv(64)
             send_frame(raw, encode(Op.AUTH, b""))
             raw.recv(64)
@@ -436,7 +436,7 @@ def test_server_survives_bad_and_vanishing_clients() -> None:
         with TCPStore("127.0.0.1", server.port, timeout=10) as client:
             client.set("still", b"fine")
             assert client.get("still") == b"fine"
-        _wait_until(lambda: not server._threads)
+        _wait_until(lambda: server.stats()["connections"] == 0)
 
 
 def test_auth_key() -> None:

@@ -1,11 +1,9 @@
 """The torch examples: the seed's torch.distributed programs on "tcoll", and DDP training under two launchers.
 
 examples/torch/*.py are the seed documents' programs with only the backend
-name changed; they must print what the seeds print (with 4 ranks, as there).
-They hard-code MASTER_PORT=29500, which other jobs on this machine may hold,
-so the test moves them to a free port with a sitecustomize module (loaded by
-every Python process the example starts) that rewrites that one assignment:
-the examples themselves run unchanged.
+name and their start changed (examples/torch/launching.py); they must print what
+the seeds print (with 4 ranks, as there), alone (starting their ranks on a free
+port) and under `tcoll run` (each copy one rank).
 """
 
 from __future__ import annotations
@@ -14,14 +12,12 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-from helpers.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,29 +33,11 @@ SEED_OUTPUT = {
     "broadcast": {r: "tensor([0.])" for r in range(4)},
 }
 
-_SITECUSTOMIZE = """
-import os
-
-_port = os.environ.get("TCOLL_TEST_MASTER_PORT")
-if _port:
-    _environ = type(os.environ)
-    _setitem = _environ.__setitem__
-
-    def _moved(self, key, value):
-        if key == "MASTER_PORT" and value == "29500":
-            value = _port
-        _setitem(self, key, value)
-
-    _environ.__setitem__ = _moved
-"""
-
-
-def _start_seed(name: str, tmp_path: Path) -> subprocess.Popen[str]:
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(_SITECUSTOMIZE))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src")]),
-               TCOLL_TEST_MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    env.pop("PYTHONUNBUFFERED", None)  # each process then writes its lines at exit, in one piece
-    return subprocess.Popen([sys.executable, f"examples/torch/{name}.py"], cwd=ROOT, env=env,
+def _start_seed(name: str, *launcher: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    for key in ("MASTER_PORT", "RANK", "WORLD_SIZE", "PYTHONUNBUFFERED"):
+        env.pop(key, None)  # unbuffered off: each process then writes its lines at exit, in one piece
+    return subprocess.Popen([sys.executable, *launcher, f"examples/torch/{name}.py"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -75,9 +53,9 @@ def _finish(process: subprocess.Popen[str], name: str) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_seed_examples_print_what_the_seeds_print(tmp_path: Path) -> None:
+def test_seed_examples_print_what_the_seeds_print() -> None:
     """The seven seed programs, run side by side (each starts 4 processes that import torch)."""
-    running = {name: _start_seed(name, tmp_path) for name in [*SEED_OUTPUT, "ring_all_reduce"]}
+    running = {name: _start_seed(name) for name in [*SEED_OUTPUT, "ring_all_reduce"]}
     outputs = {name: _finish(process, name) for name, process in running.items()}
     for name, want in SEED_OUTPUT.items():
         out = outputs[name]
@@ -87,6 +65,13 @@ def test_seed_examples_print_what_the_seeds_print(tmp_path: Path) -> None:
     # the isend/recv ring all-reduce of [rank] * 4 over 4 ranks: every rank prints 0+1+2+3
     printed = sorted(re.findall(r"(\d) (tensor\(\[[^\]]*\]\))", outputs["ring_all_reduce"]))
     assert printed == [(str(r), "tensor([6, 6, 6, 6])") for r in range(4)], outputs["ring_all_reduce"]
+
+
+@pytest.mark.timeout(240)
+def test_seed_example_under_tcoll_run() -> None:
+    """`tcoll run -n 4 examples/torch/all_reduce.py` (the README's line): each copy is one rank, one prefix."""
+    out = _finish(_start_seed("all_reduce", "-m", "tcoll", "run", "-n", "4"), "all_reduce")
+    assert sorted(out.splitlines()) == [f"[{rank}] data = 4.0" for rank in range(4)], out
 
 
 def _check_ddp_output(out: str, ranks: int) -> None:

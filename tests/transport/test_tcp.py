@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import struct
 import threading
@@ -294,6 +295,16 @@ def _stray_connections(host: str, port: int) -> list[socket.socket]:
     return strays  # strays[3] says nothing
 
 
+def _assert_linked(world: World) -> None:
+    """Rank 0 of `world` reaches rank 1 over the links the handshake made."""
+    a, b = world.engines
+    out = np.zeros(3, dtype=np.uint8)
+    recv = b.irecv(out, 0, CTX, 0)
+    a.isend(np.array([1, 2, 3], dtype=np.uint8), 1, CTX, 0).wait()
+    recv.wait()
+    assert out.tolist() == [1, 2, 3]
+
+
 def _read_all(sock: socket.socket) -> bytes:
     """Everything the other side sends until it closes."""
     sock.settimeout(5)
@@ -317,12 +328,7 @@ def test_handshake_refuses_foreign_connections() -> None:
         assert b"rank 7 is not expected" in answers[2]
         for stray in strays:
             stray.close()
-        a, b = world.engines
-        out = np.zeros(3, dtype=np.uint8)
-        recv = b.irecv(out, 0, CTX, 0)
-        a.isend(np.array([1, 2, 3], dtype=np.uint8), 1, CTX, 0).wait()
-        recv.wait()
-        assert out.tolist() == [1, 2, 3]
+        _assert_linked(world)
     finally:
         world.close()
 
@@ -409,3 +415,40 @@ def test_close_leaves_no_threads_or_fds() -> None:
     world.close()  # idempotent
     assert set(threading.enumerate()) <= threads_before
     assert set(os.listdir("/proc/self/fd")) <= fds_before
+
+
+class _Bomb:
+    """Unpickling this would create `path`: proof that a stranger's payload was executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.timeout(60)
+def test_strangers_without_the_key_are_refused_before_their_payload(tmp_path) -> None:
+    marker = tmp_path / "executed"
+    payload = pickle.dumps(_Bomb(str(marker))) + b"\xff" * (200 << 10)
+    world = World(2, keys=["s3cret", "s3cret"], connect=False)
+    try:
+        host, port = world.transports[0].prepare().values()
+        run_id = b"tcp-test"
+        hello = struct.pack("<8sHHIIH", b"TCOLLTCP", 1, 1, 1, 0, len(run_id)) + run_id
+        strays = [socket.create_connection((host, port)) for _ in range(3)]
+        strays[0].sendall(hello + os.urandom(64) + payload)  # claims rank 1, answers the challenge wrongly
+        no_key = struct.pack("<8sHHIIH", b"TCOLLTCP", 1, 0, 1, 0, len(run_id)) + run_id
+        strays[1].sendall(no_key + payload)  # claims rank 1 without a key
+        strays[2].sendall(payload)  # a pickle straight away
+        run_ranks(2, lambda rank: world.connect_rank(rank, 10.0))
+        answers = [_read_all(stray) for stray in strays]
+        assert answers[0][:1] == b"C" and b"TCOLL_AUTH_KEY differs" in answers[0]
+        assert answers[1][:1] == b"R" and b"TCOLL_AUTH_KEY is set on rank 0 only" in answers[1]
+        assert answers[2][:1] == b"R" and b"not a tcoll connection" in answers[2]
+        for stray in strays:
+            stray.close()
+        _assert_linked(world)
+    finally:
+        world.close()
+    assert not marker.exists()

@@ -37,12 +37,13 @@ from typing import Any
 import numpy as np
 
 from ..ops import Op
+from ..p2p.engine import Engine
 from . import select
 from .registry import Costs, Topology, algorithm
 from .team import Algorithm, Team
 from .topology import displacements, split_counts
 
-__all__ = ["topology_of", "all_reduce_hierarchical", "all_reduce_sliced", "all_gather_hierarchical",
+__all__ = ["topology_of", "world_topology", "all_reduce_hierarchical", "all_reduce_sliced", "all_gather_hierarchical",
            "reduce_scatter_hierarchical", "broadcast_hierarchical"]
 
 Step = tuple[str, str, str, int, int]  # (what, collective, link "intra"/"inter"/"inter, shared", nbytes, ranks)
@@ -63,6 +64,21 @@ def topology_of(hosts_count: int, per_host: int, link_latency: float = 0.0, link
     if link_latency > inter.alpha:
         inter = dataclasses.replace(inter, alpha=link_latency)
     return Topology(hosts_count, per_host, select.COSTS["shm"], inter)
+
+
+def world_topology(engine: Engine, world: list[int]) -> Topology | None:
+    """The cost model's view of the communicator of world ranks `world` (None: all on one host).
+
+    Every rank finds the same: the host map and the latency were agreed at connect, and one
+    transport carries every pair of hosts.
+    """
+    hosts = engine.hosts.restrict(world)
+    if hosts.count < 2:
+        return None
+    mine = hosts.host_of[world.index(engine.rank)]
+    other = next(w for i, w in enumerate(world) if hosts.host_of[i] != mine)
+    per_host = max(len(hosts.members(h)) for h in range(hosts.count))
+    return topology_of(hosts.count, per_host, engine.link_latency, engine.transport_of(other))
 
 
 def _plan_cost(steps: Callable[[Topology, int], list[Step]]) -> Callable[[Topology, int], float]:
@@ -104,10 +120,9 @@ class _Layout:
         self.leaders = [members[0] for members in self.members]
         self.order = [rank for members in self.members for rank in members]  # host-major
         self.contiguous = self.order == list(range(team.size))
-        engine = team._engine
-        self.topology = topology_of(hosts.count, max(map(len, self.members)), engine.link_latency)
+        self.topology = world_topology(team._engine, team._world)
         self.intra = select.COSTS["shm"]
-        self.inter = self.topology.inter if self.topology else select.COSTS["tcp"]  # the steps' choice only
+        self.inter = self.topology.inter if self.topology else select.COSTS["tcp"]
 
 
 # -- all_reduce ---------------------------------------------------------------------------------

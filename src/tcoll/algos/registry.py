@@ -23,6 +23,11 @@ arena:
     reduce_scatter(send, out, counts, op)      send is read-only; out gets this rank's reduced block
     all_to_all(send, out, send_counts, recv_counts)  own block already copied
     barrier()
+    scan(buf, op)                              buf := op over ranks 0..rank, in place (rank order)
+    exscan(buf, op)                            buf := op over ranks 0..rank-1; rank 0's buf unchanged
+    all_to_allv(header, blocks, arrived)       direct only: the counts travel with the data; arrived(table
+                                               of every rank's header) places the output and returns
+                                               (out bytes, bytes from each rank, widest block in bytes)
 
 Algorithms with `ordered=False` combine operands out of rank order and run
 only commutative ops; `uneven=False` ones need equal counts.
@@ -37,7 +42,7 @@ from typing import Any
 __all__ = ["AlgorithmInfo", "Costs", "Topology", "algorithm", "REGISTRY", "COLLECTIVES", "lookup", "names"]
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
-               "reduce_scatter", "all_to_all", "barrier")
+               "reduce_scatter", "all_to_all", "barrier", "scan", "exscan", "all_to_allv")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,12 @@ direct algorithms (`tcoll.shm`). All were fitted to `tcoll bench` runs on a
 
 from __future__ import annotations
 
+from ..env import parse_size
+from .explaining import describe_choice, format_seconds
 from .registry import REGISTRY, AlgorithmInfo, Costs, Topology
 
-__all__ = ["choose", "explain", "ranked", "eligible", "best_flat", "Costs", "Topology", "COSTS", "ARENA_SYNC", "ARENA_COPY", "ARENA_REDUCE"]
+__all__ = ["choose", "explain", "ranked", "eligible", "best_flat", "Costs", "Topology", "COSTS", "ARENA_SYNC",
+           "ARENA_COPY", "ARENA_REDUCE"]
 
 # Per-message and per-byte costs of point-to-point over each transport
 # (`tcoll bench p2p`); gamma is NumPy's in-place add over data fresh in cache.
@@ -104,68 +107,47 @@ def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bo
     return options[0][1]
 
 
-def explain(collective: str, nbytes: int, size: int | None = None, transport: str = "shm", *,
+def explain(collective: str, nbytes: int | str, size: int | None = None, transport: str = "shm", *,
             ordered: bool = False, uneven: bool = False, blocking: bool = True, hosts: int = 1,
             ranks_per_host: int | None = None) -> str:
-    """A table of the modelled time of each eligible algorithm, and the choice.
+    """A table of each eligible algorithm's modelled time, messages and bytes, the choice, and why.
 
     Args:
         collective: e.g. "all_reduce".
-        nbytes: bytes of one rank's input.
+        nbytes: bytes of one rank's input (an int, or text such as "64MiB" or "1G").
         size: ranks in the communicator (default: hosts * ranks_per_host).
         transport: whose costs to use: "shm", "tcp" or "loopback"; across hosts, the link between
-            them ("tcp" unless another network transport is named).
+            them ("tcp" unless "mpi" is named).
         ordered: the reduce op is not commutative.
         uneven: ranks' counts differ.
         blocking: a blocking call (async_op=False): on one host ("shm") the
             shared-memory direct algorithms compete too.
-        hosts: hosts the ranks are spread over; above 1 the hierarchical algorithms compete and the
-            chosen one's steps are shown.
+        hosts: hosts the ranks span; above 1 the direct algorithms cannot run, the hierarchical
+            ones compete (shm inside hosts, the network between them) and the chosen one's steps
+            are shown with their predicted times.
         ranks_per_host: ranks on each host (default: size / hosts, else 1).
 
     Returns:
-        Text, one line per algorithm, the chosen one marked with "*".
+        Text: a header, one line per algorithm (the chosen one marked with "*"; messages
+        and bytes are those of the rank that sends most, "-" for the direct and hierarchical
+        ones), and a line saying why.
     """
-    per_host = ranks_per_host or (max(1, (size or hosts) // hosts))
+    nbytes = parse_size(nbytes)
+    per_host = ranks_per_host or max(1, (size or hosts) // hosts)
     size = hosts * per_host if size is None else size
     topology = None
     if hosts > 1:
-        inter = COSTS["tcp" if transport in ("shm", "loopback") else transport]
-        topology = Topology(hosts, per_host, COSTS["shm"], inter)
-        costs, direct = inter, False
-        where = f"{hosts} hosts x {per_host} ranks, shm inside hosts and {inter_name(transport)} between them"
-    else:
-        costs = COSTS[transport]
-        direct = blocking and transport in ("shm", "loopback")
-        where = f"{size} ranks over {transport}"
+        transport = transport if transport == "mpi" else "tcp"
+        topology = Topology(hosts, per_host, COSTS["shm"], COSTS[transport])
+    costs = COSTS[transport]
+    direct = blocking and hosts == 1 and transport in ("shm", "loopback")
     options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct,
                      topology=topology)
-    lines = [f"{collective}, {nbytes} B per rank, {where} "
-             f"(alpha {costs.alpha * 1e6:g} us, beta {1 / costs.beta / 1e9:g} GB/s, "
-             f"gamma {1 / costs.gamma / 1e9:g} GB/s):"]
-    for index, (seconds, info) in enumerate(options):
-        mark = "*" if index == 0 else " "
-        lines.append(f" {mark} {info.name:<22} {_time(seconds):>12}  {info.summary}")
-    if topology is None:
-        for info in eligible(collective, ordered=ordered, uneven=uneven):
-            if info.hierarchical:
-                lines.append(f" - {info.name:<22} {'(hosts > 1)':>12}  {info.summary}")
-    if options and topology is not None and options[0][1].hierarchical:
-        lines.append(f"chosen hierarchy ({options[0][1].name}), predicted {_time(options[0][0])}:")
-        for step, seconds in options[0][1].cost.plan(topology, nbytes):  # type: ignore[attr-defined]
-            lines.append(f"    {step:<64} {_time(seconds):>12}")
+    lines = [describe_choice(collective, nbytes, size, transport, costs, options, hosts)]
+    if topology is not None and options[0][1].hierarchical:
+        seconds, best = options[0]
+        lines.append(f"chosen hierarchy ({best.name}, {hosts} hosts x {per_host} ranks), predicted "
+                     f"{format_seconds(seconds)}:")
+        lines += [f"    {step:<64} {format_seconds(took):>10}"
+                  for step, took in best.cost.plan(topology, nbytes)]  # type: ignore[attr-defined]
     return "\n".join(lines)
-
-
-def inter_name(transport: str) -> str:
-    """The name of the link between hosts that `explain` assumes for `transport`."""
-    return "tcp" if transport in ("shm", "loopback") else transport
-
-
-def _time(seconds: float) -> str:
-    """Seconds in the unit that reads best (us below 10 ms, else ms, else s)."""
-    if seconds < 1e-2:
-        return f"{seconds * 1e6:.1f} us"
-    if seconds < 10:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"

@@ -42,6 +42,7 @@ LABELS = (
 )
 _LABEL = {name: code for code, name in enumerate(LABELS)}
 _COLLECTIVE = {name: code for code, name in enumerate(("", *COLLECTIVES))}
+assert len(_COLLECTIVE) <= 16, "a stamp has 4 bits for the collective of a step"
 _OP_NAMES = ("", *OPS)  # built-in ops; a user op is 32 + a hash of its name
 _DTYPES = (None, np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
            np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex64, np.complex128, np.longdouble,

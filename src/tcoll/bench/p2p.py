@@ -35,15 +35,15 @@ class P2PRow:
 
 
 def sizes_between(begin: int, end: int, factor: int) -> list[int]:
-    """Message sizes begin, begin*factor, ... up to end (inclusive when it lands on it)."""
+    """Message sizes begin, begin*factor, ... below end, then end itself (always measured, as nccl-tests)."""
     if begin <= 0 or end < begin or factor < 2:
         raise ValueError("need 0 < begin <= end and factor >= 2")
     sizes = []
     size = begin
-    while size <= end:
+    while size < end:
         sizes.append(size)
         size *= factor
-    return sizes
+    return [*sizes, end]
 
 
 def _iterations(nbytes: int, budget_bytes: int = 512 << 20) -> int:

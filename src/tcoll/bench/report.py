@@ -225,9 +225,10 @@ def plot(results: list[Result], path: str) -> None:
 class _Watch:
     """Counts the dots rank 0 appends to a file, one per measurement, while a sweep runs."""
 
-    def __init__(self, progress: Progress, path: str) -> None:
+    def __init__(self, progress: Progress, path: str, names: list[str] | None = None) -> None:
         self.progress = progress
         self.path = path
+        self.names = names or []  # what each measurement is, in order: "all_reduce 64 MiB"
         self.seen = 0
         self.closed = False
         self._stop = threading.Event()
@@ -242,7 +243,10 @@ class _Watch:
 
     def _poll(self) -> None:
         while not self._stop.wait(0.2):
-            self.progress.draw(self.progress.done + self._count())
+            count = self._count()
+            if count < len(self.names):
+                self.progress.current = self.names[count]
+            self.progress.draw(self.progress.done + count)
 
     def close(self) -> int:
         """Stop watching; returns the measurements seen (counted into the progress once)."""
@@ -265,16 +269,18 @@ class Progress:
         self.total = 0
         self.done = 0
         self.label = ""
+        self.current = ""  # the measurement running now, when the watch knows it
         self.started = time.monotonic()
         self._lock = threading.Lock()
 
     def start(self, total: int) -> None:
         self.total, self.done, self.started = total, 0, time.monotonic()
 
-    def watch(self, path: str, label: str) -> _Watch:
-        """Follow the progress file of one sweep (labelled e.g. "gloo 2/3")."""
+    def watch(self, path: str, label: str, names: list[str] | None = None) -> _Watch:
+        """Follow the progress file of one sweep (labelled e.g. "gloo 2/3"; `names`: its measurements in order)."""
         self.label = label
-        return _Watch(self, path)
+        self.current = ""
+        return _Watch(self, path, names)
 
     def drop(self, count: int) -> None:
         """Measurements that will not happen after all (a compare target failed)."""
@@ -287,7 +293,8 @@ class Progress:
         elapsed = time.monotonic() - self.started
         eta = f"{elapsed / done * (self.total - done):.0f}s" if done else "?"
         filled = int(30 * done / self.total)
-        line = f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {self.label}  {elapsed:.0f}s, eta {eta} "
+        what = f"{self.current} on {self.label}" if self.current else self.label
+        line = f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {what}  {elapsed:.0f}s, eta {eta} "
         with self._lock:
             self.stream.write(line)
             self.stream.flush()

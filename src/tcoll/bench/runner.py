@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ..algos.explaining import format_bytes
 from . import BenchError
 from .collectives import (
     CASES,
@@ -374,7 +375,8 @@ def _run_one(config: BenchConfig, impl: str, repeat: int, path: str, progress: A
              info: dict[str, Any], impls: list[str], count: int, note: Callable[[str], None]) -> None:
     """One sweep of one implementation; a compare target that fails is noted and removed from `impls`."""
     plan = make_plan(config, impl, path)
-    watch = progress.watch(path, f"{impl} {repeat + 1}/{config.repeats}") if progress is not None else None
+    names = [f"{job['case']} {format_bytes(nbytes)}" for nbytes, job in measurements(plan)]
+    watch = progress.watch(path, f"{impl} {repeat + 1}/{config.repeats}", names) if progress is not None else None
     try:
         result = _runners()[impl](config.n, plan, config.timeout)
     except BenchError as exc:
@@ -390,3 +392,4 @@ def _run_one(config: BenchConfig, impl: str, repeat: int, path: str, progress: A
             watch.close()
     info[impl] = result.get("info", {})
     samples.extend(dict(row, impl=impl, repeat=repeat) for row in result["rows"])
+

@@ -24,13 +24,21 @@ pairs with another rank's different call.
 from __future__ import annotations
 
 import struct
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..algos.stamps import NOTICE, describe, disagreement
-from ..errors import MismatchError, PeerFailedError, PeerLostError, TcollError, is_known_to_peers, known_to_peers
+from ..errors import (
+    MismatchError,
+    PeerFailedError,
+    PeerLostError,
+    TcollError,
+    is_known_to_peers,
+    known_to_peers,
+)
 from ..p2p.watch import BLOCK_BITS, NOTICE_TAG, BlockWatch
 
 if TYPE_CHECKING:
@@ -41,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["Agreement", "Running"]
 
 _FAILED, _MISMATCH, _LOST = b"F", b"M", b"L"  # a notice's first byte: what happened to the call at its sender
+_ASK, _ANSWER = b"Q", b"A"  # a timed-out rank asks who is in the call; each rank answers with where it is
+_WHERE = {b"r": "in it", b"d": "done with it", b"n": "not started"}  # an answer's last byte
 _TEXT_BYTES = 4000  # a notice's text is cut to this
 ARENA_TAGS = 48  # the tags of a block from which on the dispatcher opens an arena (phases 6 and 7)
 _CAUSE = struct.Struct("<q")  # after the kind byte: the sequence number of the call the trouble began with
@@ -92,6 +102,7 @@ class Agreement:
         self._stamps: dict[int, tuple[str, int]] = {}  # recent finished calls: sequence -> (label, stamp)
         self._look_first = False  # the last call only sent: look for what came back before the next one
         self._causes: deque[int] = deque(maxlen=256)  # the calls whose trouble was raised here already
+        self._answers: dict[int, dict[int, tuple[bytes, int]]] = {}  # call asked about -> rank -> (where, last)
         engine.watch(ctx, self.watch)
 
     # -- a call's life ---------------------------------------------------------------
@@ -209,11 +220,62 @@ class Agreement:
                 except TcollError:  # lost meanwhile, or closing: it learns nothing more from us
                     pass
 
+    # -- who is in a call (asked when one times out) -------------------------------------------
+
+    def absent(self, sequence: int, stamp: int, wait: float) -> str:
+        """Ask every other rank where it is with call `sequence`; say which ranks are not in it.
+
+        A rank inside any tcoll call answers at once (its engine makes progress);
+        a rank that does not answer within `wait` seconds is busy in its own code,
+        or stuck. Used to name, in a timeout, the ranks that never entered the call.
+
+        Returns:
+            "" if every rank is in the call (or past it), else a clause naming the others.
+        """
+        peers = [w for w in self.world if w != self.engine.rank and not self.engine.is_lost(w)]
+        answers = self._answers[sequence] = {}
+        for peer in peers:
+            self._send(peer, sequence, stamp, _ASK + _CAUSE.pack(sequence))
+        deadline = time.monotonic() + wait
+        while len(answers) < len(peers) and time.monotonic() < deadline and not self.engine.closed:
+            self.engine.poll()
+            self.engine.block_unless(lambda: len(answers) >= len(peers), min(0.02, wait))
+        del self._answers[sequence]
+        never = [f"rank {self._ranks[w]} (its last call is #{answers[w][1]})" for w in peers
+                 if w in answers and answers[w][0] == b"n"]
+        silent = [self._ranks[w] for w in peers if w not in answers]
+        said = [f"{', '.join(never)} never entered it"] if never else []
+        if silent:
+            said.append(f"rank(s) {silent} did not answer within {wait:g} s: not in any tcoll call "
+                        "(busy in their own code, or stuck)")
+        return "; ".join(said)
+
+    def _send(self, peer: int, sequence: int, stamp: int, body: bytes) -> None:
+        """Send a notice about call `sequence` to world rank `peer` (not waited for)."""
+        try:
+            self.engine.isend(np.frombuffer(body, dtype=np.uint8), peer, self.ctx,
+                              (sequence << BLOCK_BITS) + NOTICE_TAG, None, stamp | NOTICE)
+        except TcollError:  # lost meanwhile, or closing
+            pass
+
+    def _query(self, peer_world: int, block: int, payload: bytes) -> None:
+        """Answer a rank that asks where this rank is with call `block`; or note an answer."""
+        if payload[:1] == _ASK:
+            watch = self.watch
+            where = b"r" if block in watch.calls else (b"n" if block > watch.high else b"d")
+            self._send(peer_world, block, 0, _ANSWER + _CAUSE.pack(watch.high) + where)
+        elif block in self._answers and len(payload) == 2 + _CAUSE.size:
+            (last,) = _CAUSE.unpack_from(payload, 1)
+            self._answers[block][peer_world] = (payload[-1:], last)
+
     # -- alarms (the engine calls them after a round of progress) -----------------------------
 
     def _alarm(self, kind: str, peer_world: int, tag: int, theirs: int, payload: bytes) -> None:
         peer = self._ranks.get(peer_world, peer_world)
         block = tag >> BLOCK_BITS
+        if kind == "notice" and payload[:1] in (_ASK, _ANSWER):
+            self._query(peer_world, block, payload)
+            return
         if kind == "quiet" and tag - (block << BLOCK_BITS) >= ARENA_TAGS:
             kind = "reopening"
         running = self.watch.calls.get(block)

@@ -37,16 +37,17 @@ class Call:
         staged: (place, block): this rank's own block, which team algorithms expect in
             place (copied there first) and direct ones take as their last argument.
         dtype, count, root: what the stamp says of the data (every rank must pass the same).
+        contributions: how many ranks' data finish_buf holds, for op.finish (None: every rank's).
     """
 
     __slots__ = ("collective", "args", "nbytes", "label", "op", "itemsize", "uneven", "algorithm", "result",
-                 "finish_buf", "staged", "dtype", "count", "root")
+                 "finish_buf", "staged", "dtype", "count", "root", "contributions")
 
     def __init__(self, collective: str, args: tuple[Any, ...], nbytes: int, *, label: str | None = None,
                  op: Op | None = None, itemsize: int = 1, uneven: bool = False, algorithm: str = "auto",
                  result: Any = None, finish_buf: np.ndarray | None = None,
                  staged: tuple[np.ndarray, np.ndarray] | None = None, dtype: np.dtype | None = None,
-                 count: int = 0, root: int = 0) -> None:
+                 count: int = 0, root: int = 0, contributions: int | None = None) -> None:
         self.collective = collective
         self.args = args
         self.nbytes = nbytes
@@ -61,6 +62,7 @@ class Call:
         self.dtype = dtype
         self.count = count
         self.root = root
+        self.contributions = contributions
 
     def stamp(self, algorithm: str | None) -> int:
         """The call's stamp with the algorithm that runs it (tcoll.algos.stamps)."""
@@ -69,7 +71,7 @@ class Call:
     def finish(self, size: int) -> Any:
         """The call's last touch on this rank (avg divides), and its result."""
         if self.finish_buf is not None and self.op is not None:
-            self.op.finish(self.finish_buf, size)
+            self.op.finish(self.finish_buf, size if self.contributions is None else self.contributions)
         return self.result
 
 

@@ -14,7 +14,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, reductions, uneven
+from . import groups, movement, objects, pairs, parcels, prefix, reductions, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .dispatch import Dispatcher
 
@@ -45,6 +45,10 @@ class Communicator:
     reduce_scatter = reductions.reduce_scatter
     reduce_scatterv = reductions.reduce_scatterv
     barrier = reductions.barrier
+    scan = prefix.scan
+    exscan = prefix.exscan
+    scan_object = prefix.scan_object
+    exscan_object = prefix.exscan_object
     broadcast = movement.broadcast
     all_gather = movement.all_gather
     gather = movement.gather
@@ -58,8 +62,16 @@ class Communicator:
     all_gather_object = objects.all_gather_object
     gather_object = objects.gather_object
     scatter_object = objects.scatter_object
-    send_object = objects.send_object
-    recv_object = objects.recv_object
+    all_to_all_object = objects.all_to_all_object
+    send_object = parcels.send_object
+    recv_object = parcels.recv_object
+    isend_object = parcels.isend_object
+    irecv_object = parcels.irecv_object
+    sendrecv_object = parcels.sendrecv_object
+    sendrecv = pairs.sendrecv
+    sendrecv_replace = pairs.sendrecv_replace
+    probe = pairs.probe
+    iprobe = pairs.iprobe
     split = groups.split
     group = groups.group
     dup = groups.dup
@@ -139,11 +151,12 @@ class Communicator:
 
         Args:
             buf: a writable contiguous NumPy array, PyTorch CPU tensor, or buffer.
-            src: the source rank.
-            tag: the tag the sender used.
+            src: the source rank, or tcoll.ANY_SOURCE.
+            tag: the tag the sender used, or tcoll.ANY_TAG.
 
         Returns:
-            A Work; wait() returns `buf`. Its `nbytes` tells the message size.
+            A Work; wait() returns `buf`. Once complete, its `source`, `tag` and
+            `nbytes` tell who sent the message, on which tag, and its size.
 
         Raises:
             ValueError: `src` out of range, bad tag, or a non-contiguous or read-only buffer.
@@ -151,10 +164,11 @@ class Communicator:
             PeerLostError: `src` is known to be gone.
         """
         self._check_open()
-        check_peer(src, self.size, "src")
-        check_tag(tag)
+        peer = pairs.source_of(self, src, tag)
         data = as_bytes(buf, writable=True, what="receive buffer")
-        return self._engine.irecv(data, self._world[src], self._p2p_ctx, tag, buf)
+        work = self._engine.irecv(data, peer, self._p2p_ctx, tag, buf)
+        work.ranks = self._world
+        return work
 
     def send(self, buf: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         """Send `buf` to rank `dst` and wait until the buffer may be reused (see isend)."""

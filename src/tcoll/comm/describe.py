@@ -9,6 +9,7 @@ buffer, so it can travel through any collective algorithm; it holds text
 from __future__ import annotations
 
 import ast
+import functools
 from typing import Any
 
 import ml_dtypes
@@ -47,12 +48,18 @@ def encode(obj: Any) -> np.ndarray:
         ValueError: the description does not fit (a structured dtype with very many fields).
     """
     arr = as_array(obj, writable=False, what="array")
-    text = f"{'torch' if is_torch(obj) else 'numpy'};{dtype_name(arr.dtype)};{','.join(map(str, arr.shape))}"
-    raw = text.encode()
+    return _encoded("torch" if is_torch(obj) else "numpy", arr.dtype, arr.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded(kind: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The description of (kind, dtype, shape), made once (calls repeat; read-only: callers copy it)."""
+    raw = f"{kind};{dtype_name(dtype)};{','.join(map(str, shape))}".encode()
     if len(raw) > META_BYTES:
-        raise ValueError(f"cannot describe dtype {arr.dtype} in {META_BYTES} bytes")
+        raise ValueError(f"cannot describe dtype {dtype} in {META_BYTES} bytes")
     out = np.zeros(META_BYTES, dtype=np.uint8)
     out[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    out.flags.writeable = False
     return out
 
 

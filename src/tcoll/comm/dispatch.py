@@ -29,14 +29,15 @@ from typing import Any
 import numpy as np
 
 from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,  # noqa: F401 - registers
-                     reduce, reduce_scatter, scatter)
+                     reduce, reduce_scatter, scan, scatter)
 from ..algos import hierarchy, select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
 from ..errors import MismatchError, TcollError, TransportError
 from ..ops import Op
+from ..p2p import timeline
 from ..p2p.engine import Engine
-from ..shm import blocks, vector  # noqa: F401 - registers the direct algorithms
+from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.heap import heap_of
 from .agreement import Agreement, Running
@@ -46,6 +47,11 @@ __all__ = ["Dispatcher"]
 
 _ARENA_PHASE = 6  # the phases of a call that open the arena: 6 (barriers) and 7 (the address)
 _MAX_STEPS = 3  # steps of a program: phases 0-5
+
+
+def _traced(call: Call, algorithm: str, sequence: int) -> dict[str, Any]:
+    """What the timeline (TCOLL_TRACE) shows of a call."""
+    return {"collective": call.collective, "bytes": call.nbytes, "algorithm": algorithm, "sequence": sequence}
 
 
 class Dispatcher:
@@ -88,7 +94,11 @@ class Dispatcher:
             info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, not async_op,
                                call.itemsize)
             running = self.agreement.begin(sequence, call.label, call.stamp(info.name), info.direct)
-            return self._execute(info, call, running, 0, async_op, [None], settle=True)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
+            result = self._execute(info, call, running, 0, async_op, [None], settle=True)
+            if self.engine.timeline is not None:
+                self.engine.timeline.call(call.label, began, result, _traced(call, info.name, sequence))
+            return result
         except BaseException as exc:
             cause = self._cause(running, exc)
             self._failed(sequence, call.label, call.stamp(None), running, cause)
@@ -110,11 +120,17 @@ class Dispatcher:
         running = None
         try:
             running = self.agreement.begin(sequence, head.label, stamp, False)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
             if async_op:
                 team = self.team_for(sequence, stamp)
-                return self.start(team, f"{head.label} #{sequence}", self._program_body(program, team), True,
-                                  running)
-            result = self._program_steps(program, running)
+                result = self.start(team, f"{head.label} #{sequence}", self._program_body(program, team), True,
+                                    running)
+            else:
+                result = self._program_steps(program, running)
+            if self.engine.timeline is not None:
+                self.engine.timeline.call(head.label, began, result, _traced(head, requested or "auto", sequence))
+            if async_op:
+                return result
         except BaseException as exc:
             cause = self._cause(running, exc)
             self._failed(sequence, head.label, stamp, running, cause)
@@ -137,7 +153,11 @@ class Dispatcher:
                 raise AssertionError(f"{running.label}: a program has at most {_MAX_STEPS} steps")
             info = self.choose(call.collective, call.algorithm, call.nbytes, call.op, call.uneven, True,
                                call.itemsize)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
             value = self._execute(info, call, running, 2 * step, False, teams)
+            if self.engine.timeline is not None:  # a program's steps: phases 2k, 2k+1 of the call
+                self.engine.timeline.call(f"step {step}: {call.collective}", began, None,
+                                          {**_traced(call, info.name, running.sequence), "phase": 2 * step})
         raise AssertionError("unreachable")
 
     def _program_body(self, program: Program, team: Team) -> Algorithm:
@@ -162,7 +182,11 @@ class Dispatcher:
         try:
             running = self.agreement.begin(sequence, label, stamp, False)
             team = self.team_for(sequence, stamp)
-            return self.start(team, f"{label} #{sequence}", body(team), async_op, running)
+            began = timeline.now_us() if self.engine.timeline is not None else 0.0
+            result = self.start(team, f"{label} #{sequence}", body(team), async_op, running)
+            if self.engine.timeline is not None:
+                self.engine.timeline.call(label, began, result, {"algorithm": "custom", "sequence": sequence})
+            return result
         except BaseException as exc:
             self._failed(sequence, label, stamp, running, exc)
             raise
@@ -263,8 +287,16 @@ class Dispatcher:
         try:
             return work.wait(self.timeout)
         except BaseException as exc:
+            if isinstance(exc, TimeoutError) and step_of is not None:
+                self._name_absent(exc, step_of)
             work.abort(exc)  # a timeout or interrupt: withdraw what is still posted
             raise
+
+    def _name_absent(self, error: TimeoutError, running: Running) -> None:
+        """Add to a call's timeout which ranks never entered the call (they are asked: see Agreement.absent)."""
+        said = self.agreement.absent(running.sequence, running.stamp, min(1.0, self.timeout or 1.0))
+        if said:
+            error.args = (f"{error.args[0] if error.args else error}; {said}", *error.args[1:])
 
     def _settle(self, running: Running, work: CollectiveWork) -> None:
         """A call's (last) Work completed or failed: tell the agreement."""
@@ -315,8 +347,8 @@ class Dispatcher:
                  blocking: bool) -> AlgorithmInfo:
         if algorithm == "auto":
             forced = self._forced.get(collective, "auto")
-            if forced != "auto" and (direct or not lookup(collective, forced).direct):
-                algorithm = forced
+            if forced != "auto" and _can_run(lookup(collective, forced), ordered, uneven, direct):
+                algorithm = forced  # else auto: a forced algorithm that cannot run this call falls back
         if algorithm == "auto":
             return select.choose(collective, nbytes, self.size, self.costs(), ordered=ordered, uneven=uneven,
                                  direct=direct, topology=self.topology())
@@ -338,11 +370,7 @@ class Dispatcher:
     def topology(self) -> select.Topology | None:
         """The hosts of this communicator as the cost model sees them (None: one host; found once)."""
         if self._topology is False:
-            hosts = self.engine.hosts.restrict(self.world)
-            per_host = max(len(hosts.members(h)) for h in range(hosts.count))
-            other = next((w for i, w in enumerate(self.world) if hosts.host_of[i] != hosts.host_of[self.rank]), None)
-            link = self.engine.transport_of(other) if other is not None else "tcp"
-            self._topology = hierarchy.topology_of(hosts.count, per_host, self.engine.link_latency, link)
+            self._topology = hierarchy.world_topology(self.engine, self.world)
         return self._topology  # type: ignore[return-value]
 
     def costs(self) -> select.Costs:
@@ -463,3 +491,8 @@ class Dispatcher:
         blocking = not async_op
         info = self._resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
         return self.run(Call(collective, args, 0, algorithm=info.name), async_op)
+
+
+def _can_run(info: AlgorithmInfo, ordered: bool, uneven: bool, direct: bool) -> bool:
+    """Whether `info` can run a call that needs rank order / uneven counts, and may run direct."""
+    return (info.ordered or not ordered) and (info.uneven or not uneven) and (direct or not info.direct)

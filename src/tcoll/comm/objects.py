@@ -1,8 +1,9 @@
 """Collectives and point-to-point on picklable Python objects.
 
 Methods of Communicator: broadcast_object, all_gather_object,
-gather_object, scatter_object (these four also take async_op=True), and
-send_object / recv_object. How an object travels is `tcoll.comm.pickling`.
+gather_object, scatter_object, all_to_all_object (all take async_op=True).
+Point-to-point of objects is tcoll.comm.parcels. How an object travels is
+`tcoll.comm.pickling`.
 As with an array send, the object's arrays must not change until the call
 (or, with async_op, its Work) completes.
 
@@ -25,22 +26,21 @@ pass data that came from outside the job through object collectives.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..algos.team import Algorithm, Team
-from ..errors import MismatchError, TcollError, known_to_peers
-from ..p2p.work import RecvWork
+from ..errors import TcollError, known_to_peers
 from .calls import numbered
-from .checks import check_peer, check_tag
-from .pickling import (FAILED, SLOTS, Parts, allocate, check_failed, copy_load, dump, exchange_parts, load,
+from .checks import check_peer
+from .pickling import (FAILED, SLOTS, Parts, allocate, check_failed, copy_load, exchange_parts, load,
                        overflow_for, size_record, try_dump)
 
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["broadcast_object", "all_gather_object", "gather_object", "scatter_object", "send_object", "recv_object"]
+__all__ = ["broadcast_object", "all_gather_object", "gather_object", "scatter_object", "all_to_all_object"]
 
 
 @numbered("broadcast_object")
@@ -195,78 +195,43 @@ def scatter_object(comm: Communicator, objs: Sequence[Any] | None, root: int = 0
     return comm._dispatch.run_custom("scatter_object", body, async_op, root)
 
 
-def send_object(comm: Communicator, obj: Any, dst: int, tag: int = 0) -> None:
-    """Send the object `obj` to rank `dst`, to be received by recv_object(src, tag).
+@numbered("all_to_all_object")
+def all_to_all_object(comm: Communicator, objs: Sequence[Any], *, async_op: bool = False) -> Any:
+    """Send objs[r] to rank r and receive one object from every rank.
 
-    Messages on (dst, tag): an int64 size record (and, for more than seven
-    parts, the remaining sizes), then the pickle stream and each large
-    buffer straight from memory. Other sends from this rank on the same
-    (dst, tag) must not run concurrently (from another thread), or the
-    messages interleave.
+    Each rank sends each other rank its object directly (p-1 sends and
+    receives per rank, all at once).
 
     Args:
-        obj: a picklable object.
-        dst: the destination rank.
-        tag: a non-negative integer that recv_object must name too.
-
-    Raises:
-        ValueError: dst out of range or bad tag.
-        pickle.PicklingError, TypeError, ...: obj cannot be pickled (nothing is sent).
-    """
-    check_peer(dst, comm.size, "dst")
-    check_tag(tag)
-    parts = dump(obj)
-    record, overflow = size_record(parts)
-    works = [comm.isend(record, dst, tag)]
-    if overflow.size:
-        works.append(comm.isend(overflow, dst, tag))
-    works += [comm.isend(part, dst, tag) for part in parts]
-    for work in works:
-        work.wait()
-
-
-def recv_object(comm: Communicator, src: int, tag: int = 0) -> Any:
-    """Receive an object that rank `src` sent with send_object(obj, dst, tag).
-
-    Security: the object is unpickled (see the module docstring).
-
-    Args:
-        src: the source rank.
-        tag: the tag the sender used.
+        objs: a list of `size` picklable objects, one for each rank.
+        async_op: return a Work (whose result() is the list) instead of waiting.
 
     Returns:
-        The unpickled object.
+        The list of the objects the ranks sent this one, in rank order (unpickled copies, its own included).
 
     Raises:
-        ValueError: src out of range or bad tag.
-        MismatchError: the message on (src, tag) was not sent by send_object.
+        ValueError: objs is not a list of `size` objects.
+        TcollError: a rank could not pickle its object for this one (that rank raises the pickling error).
     """
-    record = np.zeros(SLOTS + 1, dtype=np.int64)
-    _recv_exact(comm, [record], src, tag)
-    if record[0] < 1:
-        raise MismatchError(f"recv_object from rank {src} (tag {tag}): the message is not an object's")
-    overflow = overflow_for(record)
-    if overflow.size:
-        _recv_exact(comm, [overflow], src, tag)
-    parts = allocate(record, overflow) or []
-    _recv_exact(comm, parts, src, tag)
-    return load(parts)
+    if not isinstance(objs, (list, tuple)) or len(objs) != comm.size:
+        raise ValueError(f"all_to_all_object needs a list of {comm.size} objects, one per rank; got "
+                         f"{len(objs) if isinstance(objs, (list, tuple)) else type(objs).__name__}")
+    outgoing: dict[int, Parts | None] = {}
+    error: BaseException | None = None
+    for r in range(comm.size):
+        outgoing[r], failure = try_dump(objs[r])
+        error = error or failure
 
+    def body(team: Team) -> Algorithm:
+        mine = outgoing.pop(team.rank)
+        peers = [(team.rank + k) % team.size for k in range(1, team.size)]
+        received = yield from exchange_parts(team, outgoing, peers)
+        if error is not None:
+            raise known_to_peers(error)
+        check_failed("all_to_all_object", received)
+        return [copy_load(mine or []) if r == team.rank else load(received[r] or []) for r in range(team.size)]
 
-def _recv_exact(comm: Communicator, bufs: list[np.ndarray], src: int, tag: int) -> None:
-    """Receive one message into each of `bufs`, in order; each must fill its buffer exactly."""
-    works = [cast(RecvWork, comm.irecv(buf, src, tag)) for buf in bufs]
-    try:
-        for work, buf in zip(works, bufs):
-            work.wait()
-            if work.nbytes != buf.nbytes:
-                raise MismatchError(f"recv_object from rank {src} (tag {tag}): a message of {work.nbytes} "
-                                    f"bytes arrived where {buf.nbytes} were expected; was it sent by send_object?")
-    except BaseException:
-        for work in works:
-            if not work.done():
-                work.cancel()
-        raise
+    return comm._dispatch.run_custom("all_to_all_object", body, async_op)
 
 
 def _broadcast(comm: Communicator, team: Team, buf: np.ndarray, root: int) -> Algorithm:

@@ -237,9 +237,11 @@ def all_to_allv(comm: Communicator, chunks: Any, *, algorithm: str = "auto", asy
         MismatchError: (on every rank) the ranks' trailing shapes or dtypes differ.
     """
     views = chunk_views(chunks, comm.size, "all_to_allv")
+    mine = _header(chunks[0], [v.shape[0] for v in views])
+    if not async_op and algorithm in ("auto", "shm") and comm._dispatch.direct_capable():
+        return _all_to_allv_direct(comm, chunks[0], views, mine)
     send = np.concatenate([v.reshape(-1) for v in views])
     _check_algorithm(comm, "all_to_all", algorithm, send.nbytes, async_op)
-    mine = _header(chunks[0], [v.shape[0] for v in views])
     program = _all_to_allv_steps(comm, chunks[0], views[0], mine, send, algorithm)
     head = Call("all_to_all", (), 0, label="all_to_allv", algorithm=algorithm)
     return comm._dispatch.run_program(program, head, async_op)
@@ -263,3 +265,29 @@ def _all_to_allv_steps(comm: Communicator, like: Any, first: np.ndarray, mine: n
     yield Call("all_to_all", (send, out, send_counts, recv_counts), total // comm.size, label="all_to_allv",
                uneven=len(every) > 1, algorithm=algorithm)
     return _split(user_out, recv_rows)
+
+
+def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray], mine: np.ndarray) -> list[Any]:
+    """all_to_allv in one call on the arena: the headers travel in its first step, with the data."""
+    first, rank, size = views[0], comm.rank, comm.size
+    trailing, dtype = first.shape[1:], first.dtype
+    row_bytes = math.prod(trailing) * dtype.itemsize
+    result: list[list[Any]] = []
+    width, meta = mine.size, mine[:_W].tobytes()
+
+    def arrived(table: np.ndarray) -> tuple[np.ndarray, list[int], int]:
+        if any(table[q * width:q * width + _W].tobytes() != meta for q in range(size)):
+            _read_table(table, size, "all_to_allv")  # descriptions differ (not when chunk 0s agree): check them
+        matrix = np.ndarray((size, size), np.int64, table, _W, (width, 8)).tolist()  # [q][d]: rows q sends d
+        recv_rows = [row[rank] for row in matrix]
+        user_out, view = empty_like_kind(like, (sum(recv_rows), *trailing), dtype)
+        out = view.reshape(-1).view(np.uint8)
+        mine_at = sum(recv_rows[:rank]) * row_bytes
+        out[mine_at:mine_at + views[rank].nbytes] = views[rank].reshape(-1).view(np.uint8)
+        result.append(_split(user_out, recv_rows))
+        return out, [n * row_bytes for n in recv_rows], max(map(max, matrix)) * row_bytes
+
+    blocks = [v.reshape(-1).view(np.uint8) for v in views]
+    call = Call("all_to_allv", (mine, blocks, arrived), sum(b.size for b in blocks) // size, label="all_to_allv")
+    comm._dispatch.run(call)
+    return result[0]

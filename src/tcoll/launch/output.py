@@ -64,7 +64,8 @@ class LineForwarder:
         pipe: the read end of the rank's stdout or stderr.
         sink: the shared destination.
         to_stderr: the stream of the sink to write to.
-        prefix: bytes put before each line (e.g. ``b"[3] "``), or ``b""``.
+        prefix: bytes put before each line (e.g. ``b"[3] "``), or ``b""``; a line that
+            already starts with it is passed unchanged.
         tail_lines: how many of the last lines to keep for `tail` (0: none).
     """
 
@@ -86,7 +87,10 @@ class LineForwarder:
             for line in iter(self._pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"  # the rank's last line had no newline
-                self._sink.write(self._prefix + line, self._to_stderr)
+                # A line that already names its rank (scripts written for mp.spawn print
+                # "[rank] ...") keeps its own prefix: "[0] [0] data" says nothing more.
+                prefix = b"" if line.startswith(self._prefix) else self._prefix
+                self._sink.write(prefix + line, self._to_stderr)
                 if self._keep:
                     self._tail.append(line.decode(errors="replace").rstrip("\n"))
         except (OSError, ValueError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -29,8 +30,14 @@ from tcoll.launch.process import (
     remove_shm_segments,
     signal_group,
 )
+from tcoll.startup import keys
 
 __all__ = ["LaunchError", "Runner", "launch"]
+
+# Errors that tell of another rank's failure: a rank that exits with one is not the cause.
+_ECHOES = re.compile(r"^(?:[\w.]+\.)?(PeerLostError|PeerFailedError)\b")
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w+(?:Error|Exception|Interrupt|Exit)\b")
+_CAUSE_GRACE = 3.0  # seconds to wait for the cause after a rank exits with an echo
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.1  # seconds between checks when no wake-up arrives (e.g. not in the main thread)
@@ -118,6 +125,21 @@ class Runner:
             self._raise_on_signal = False
             self._cleanup()
             self._restore_handlers()
+            self._merge_trace()
+
+    def _merge_trace(self) -> None:
+        """With TCOLL_TRACE (or --trace), join the ranks' timeline parts into the one file it names."""
+        path = self.config.env.get("TCOLL_TRACE") or os.environ.get("TCOLL_TRACE")
+        if path:
+            from tcoll.p2p.timeline import merge
+
+            try:
+                merged = merge(path)
+            except (OSError, ValueError) as exc:
+                self._sink.message(f"tcoll run: cannot merge the trace {path}: {exc}")
+                return
+            if merged:
+                self._sink.message(f"tcoll run: timeline of {merged} ranks in {path} (open it in ui.perfetto.dev)")
 
     def _abort_others(self, code: int, reason: str) -> None:
         """Tell the other nodes this one gave up, so they do not wait for it."""
@@ -165,7 +187,7 @@ class Runner:
         cfg = self.config
         host = cfg.master_addr or "127.0.0.1"
         port = cfg.master_port
-        auth_key = cfg.env.get("TCOLL_AUTH_KEY") or os.environ.get("TCOLL_AUTH_KEY") or None
+        auth_key = self._job_key(f"{host}:{port}")
         if cfg.node_rank == 0:
             from tcoll.store.tcp import TCPStoreServer
 
@@ -182,6 +204,23 @@ class Runner:
                                       lambda h, p, t, ct: connect_store(h, p, t, ct, auth_key))
         cfg.run_id = self._coord.join()
         return (host, port), port + 1  # every launcher derives it alike, with no exchange
+
+    def _job_key(self, master: str) -> str | None:
+        """The job's key, also handed to every rank: TCOLL_AUTH_KEY, else a new one (see `tcoll.startup.keys`).
+
+        One node makes a random key. Several nodes cannot exchange one before they
+        meet, so each derives it from the user's secret and the master address.
+        """
+        cfg = self.config
+        given = cfg.env.get("TCOLL_AUTH_KEY", os.environ.get("TCOLL_AUTH_KEY"))
+        if given is not None:
+            key = keys.job_key("", master, {"TCOLL_AUTH_KEY": given})
+        elif cfg.nnodes == 1:
+            key = keys.new_job_key()
+        else:
+            key = keys.derived_key(keys.user_secret(keys.secret_path()), "tcoll-run", master)
+        cfg.env["TCOLL_AUTH_KEY"] = key
+        return key or None
 
     def _spawn_all(self, store: tuple[str, int], torch_port: int) -> None:
         """Start every local rank with its environment and output forwarders.
@@ -228,7 +267,7 @@ class Runner:
                 return self._on_interrupt(self._signals[0])
             failed = self._reap()
             if failed is not None:
-                return self._on_rank_failure(failed)
+                return self._on_rank_failure(self._cause(failed))
             if not self._alive:
                 return 0
             code = self._check_remote()
@@ -236,16 +275,32 @@ class Runner:
                 return code
             self._waker.wait(_POLL)
 
+    def _cause(self, first: RankProcess) -> RankProcess:
+        """The failed rank to report: the first whose error is a cause, not the echo of another's.
+
+        A rank that saw a peer vanish or fail (PeerLostError, PeerFailedError) often
+        exits before the rank whose error started it all: wait a moment for that one.
+        """
+        if not _is_echo(first):
+            return first
+        deadline = time.monotonic() + _CAUSE_GRACE
+        while self._alive and time.monotonic() < deadline:
+            self._waker.wait(_POLL)
+            for entry in list(self._alive):
+                if entry.reap():
+                    self._alive.remove(entry)
+                    if entry.proc.returncode != 0 and not _is_echo(entry):
+                        return entry
+        return first
+
     def _on_rank_failure(self, failed: RankProcess) -> int:
-        """Report a failed rank with its last stderr lines, stop the others, return its code."""
+        """Report a failed rank with its last stderr line, stop the others, return its code."""
         returncode = failed.proc.returncode
         reason = describe_exit(returncode)
         failed.err.join(_DRAIN_TIMEOUT)  # its group is dead: the pipe ends soon
-        lines = [f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}"]
-        tail = failed.err.tail()
-        if tail:
-            lines.append(f"tcoll run: last {len(tail)} lines of rank {failed.rank}'s stderr:")
-            lines += [f"    {line}" for line in tail]
+        # Its stderr, traceback included, was forwarded above: name the failure in one line, not twice.
+        last = next((line.strip() for line in reversed(failed.err.tail()) if line.strip()), "")
+        lines = [f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}" + (f": {last}" if last else "")]
         if self._alive:
             lines.append(f"tcoll run: stopping the other {len(self._alive)} local ranks")
         self._sink.message("\n".join(lines))
@@ -355,3 +410,10 @@ class Runner:
         if self._server is not None:
             self._server.close()  # type: ignore[attr-defined]
         remove_shm_segments(self.config.run_id)
+
+
+def _is_echo(entry: RankProcess) -> bool:
+    """Whether a failed rank's last exception (in its stderr) only reports another rank's failure."""
+    entry.err.join(_DRAIN_TIMEOUT)
+    raised = [line for line in entry.err.tail() if _EXCEPTION_LINE.match(line)]
+    return bool(raised) and bool(_ECHOES.match(raised[-1]))

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
+from . import notice, timeline
 from .channel import Channel
 from .hosts import HostMap
 from .waiting import Doorbell, SpinPolicy, cpu_count
@@ -72,6 +73,8 @@ class Engine:
         self.hosts = HostMap.single(size)  # which ranks share a host: set from the rendezvous cards
         self.link_latency = 0.0  # seconds a message takes between hosts, measured and agreed at connect
         self.poll_only = False  # a channel has nothing that could wake a sleeper (MPI): waits poll, never sleep
+        self.host_shares_pids = True  # every rank of this host sees the others' pids (set when connecting)
+        self.timeline = timeline.from_env(rank)  # TCOLL_TRACE: None when off, the only cost then
 
     # -- setup ---------------------------------------------------------------
 
@@ -118,6 +121,8 @@ class Engine:
               stamp: int = 0) -> SendWork:
         """Start sending the bytes `data` to world rank `peer`, stamped `stamp`; returns the SendWork."""
         work = SendWork(self, peer, ctx, tag, data, user_buffer, stamp)
+        if self.timeline is not None:
+            self.timeline.sent(peer, ctx, tag, int(data.nbytes))
         with self._lock:
             self._check_peer(peer)
             if peer == self.rank:
@@ -133,11 +138,60 @@ class Engine:
         A message with another stamp fails the receive with MismatchError (stamp None: any is taken).
         """
         work = RecvWork(self, peer, ctx, tag, data, user_buffer, stamp=stamp)
+        if self.timeline is not None:
+            work.add_done_callback(self._traced)
         with self._lock:
             if not self.matcher.post(work):
                 self._check_peer(peer)  # what a lost peer sent before it went is still delivered
                 self.matcher.queue(work)
         return work
+
+    def _traced(self, work: Work) -> None:
+        """Note a completed receive on the timeline (a failed one moved no message)."""
+        if work._error is None and self.timeline is not None and isinstance(work, RecvWork):
+            self.timeline.received(work.peer, work.ctx, work.tag, work.nbytes)
+
+    def probe(self, peer: int, ctx: int, tag: int, timeout: float | None = None) -> RecvWork | None:
+        """The earliest message that a receive (peer, ctx, tag), wildcards allowed, would take; not taken.
+
+        Large messages still in their channels are taken in (copied aside) so that they can be seen.
+
+        Args:
+            timeout: None: look once (iprobe); else block up to `timeout` s until one comes (probe).
+
+        Returns:
+            The message's record (its peer, tag and nbytes are set), or None (looked once: none yet).
+
+        Raises:
+            tcoll.TimeoutError: blocking, and none came in time.
+        """
+        matcher = self.matcher
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def found() -> RecvWork | None:
+            key = matcher.earliest(peer, ctx, tag)
+            return None if key is None else matcher.unexpected[key][0]
+
+        with self._lock:
+            matcher.probing += 1
+        try:
+            while True:
+                with self._lock:
+                    self._progress()
+                    message = found()
+                    if message is None and peer >= 0:
+                        self._check_peer(peer)  # a lost peer sends nothing more
+                if message is not None or deadline is None:
+                    return message
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    what = f"{'any rank' if peer < 0 else f'rank {peer}'}, tag {'any' if tag < 0 else tag}"
+                    raise TimeoutError(f"probe ({what}) found no message within {timeout:g} s",
+                                       [peer] if peer >= 0 else [])
+                self.block_unless(lambda: found() is not None, min(left, self.settings.liveness_interval))
+        finally:
+            with self._lock:
+                matcher.probing -= 1
 
     def _check_peer(self, peer: int) -> None:
         if self.closed:
@@ -225,6 +279,7 @@ class Engine:
         start = time.monotonic()
         deadline = start + limit
         next_liveness = start + self.settings.liveness_interval
+        notice_at = start + notice.notice_after()  # a long wait says so, once
         spin_start = start
         blocked = False
         while not work._done:
@@ -238,6 +293,9 @@ class Engine:
                 next_liveness = now + self.settings.liveness_interval
                 if work._done:
                     break
+                if now >= notice_at:
+                    notice.say(self.rank, work.description, work.peers(), now - start, limit)
+                    notice_at = float("inf")
             if now >= deadline:
                 raise self._timeout_error(work, limit)
             if moved:
@@ -372,3 +430,5 @@ class Engine:
         for closer in self.closers:
             closer()
         self.closers.clear()
+        if self.timeline is not None:
+            self.timeline.write()

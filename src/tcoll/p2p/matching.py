@@ -2,6 +2,13 @@
 
 A message matches the oldest receive posted for its (peer, context, tag);
 messages from one peer on one tag match in the order they were sent. A
+receive may name ANY (-1) as its peer or tag (a wildcard, as MPI_ANY_SOURCE
+and MPI_ANY_TAG): a message then goes to whichever matching receive was
+posted first, specific or wildcard, so a wildcard never takes a message that
+an earlier-posted specific receive would match; a wildcard posted after
+messages arrived takes the earliest-arrived one that matches. Wildcards
+match only in their own context (a communicator's point-to-point one), so
+the collectives' traffic is never theirs. A
 message that comes before its receive is taken in (copied aside if small,
 or left in its channel if large and nothing else is expected from that
 peer) and handed to the receive when it is posted. A receive that expects a
@@ -24,7 +31,9 @@ from .work import RecvWork
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Matcher"]
+__all__ = ["Matcher", "ANY"]
+
+ANY = -1  # a receive's peer or tag that matches every one (MPI_ANY_SOURCE, MPI_ANY_TAG)
 
 _Key = tuple[int, int, int]  # (peer, ctx, tag)
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -46,28 +55,68 @@ class Matcher:
         self.abandoned: deque[tuple[int, int, int]] = deque(maxlen=_ABANDONED_KEPT)  # (ctx, lo, hi) tags
         self.watches: dict[int, BlockWatch] = {}  # context -> its owner's watch (collective contexts)
         self.alarms: list[tuple[BlockWatch, str, int, int, int, bytes]] = []  # run after the round of progress
+        self.wild: dict[int, list[RecvWork]] = {}  # ctx -> receives with a wildcard peer or tag, in post order
+        self.wild_any = 0  # wildcard receives with any peer: every channel may hold a message for one
+        self.probing = 0  # probes under way: large messages are taken in so that they can be seen
+        self.posts = 0  # receives posted so far: the order a message's candidates were posted in
+        self.arrivals = 0  # unexpected messages so far: the order they came in
 
     # -- receives ----------------------------------------------------------------
 
     def post(self, work: RecvWork) -> bool:
         """Hand `work` a message that already came, if one did; False if none (then `queue` it)."""
         key = (work.peer, work.ctx, work.tag)
+        if work.peer == ANY or work.tag == ANY:
+            key = self.earliest(work.peer, work.ctx, work.tag)  # type: ignore[assignment]
+            if key is None:
+                return False
         early = self.unexpected.get(key)
         if not early:
             return False
         arrived = early.popleft()
         if not early:
             del self.unexpected[key]
+        work.peer, work.tag = arrived.peer, arrived.tag
         if arrived._done:
             self.deliver(arrived, work)
         else:
             arrived.forward = work  # still arriving: it is copied over when complete
         return True
 
+    def earliest(self, peer: int, ctx: int, tag: int) -> _Key | None:
+        """The key of the earliest-arrived unexpected message that (peer, ctx, tag), wildcards allowed, matches."""
+        best, first = None, -1
+        for key, queue in self.unexpected.items():
+            if key[1] == ctx and (peer == ANY or key[0] == peer) and (tag == ANY or key[2] == tag):
+                order = queue[0].order
+                if best is None or order < first:
+                    best, first = key, order
+        return best
+
     def queue(self, work: RecvWork) -> None:
         """Post `work` to wait for its message."""
+        self.posts += 1
+        work.order = self.posts
+        if work.peer == ANY or work.tag == ANY:
+            self.wild.setdefault(work.ctx, []).append(work)
+            if work.peer == ANY:
+                self.wild_any += 1
+            else:
+                self.posted_from[work.peer] += 1
+            return
         self.posted.setdefault((work.peer, work.ctx, work.tag), deque()).append(work)
         self.posted_from[work.peer] += 1
+
+    def _unwild(self, work: RecvWork) -> None:
+        """Take a wildcard receive out of the posted ones."""
+        wild = self.wild[work.ctx]
+        wild.remove(work)
+        if not wild:
+            del self.wild[work.ctx]
+        if work.peer == ANY:
+            self.wild_any -= 1
+        else:
+            self.posted_from[work.peer] -= 1
 
     def cancel(self, work: RecvWork) -> bool:
         """Withdraw a posted receive that no message has matched yet.
@@ -75,6 +124,10 @@ class Matcher:
         Returns:
             True if withdrawn (it fails, "cancelled"); False if a message already matched it.
         """
+        if work in self.wild.get(work.ctx, ()):
+            self._unwild(work)
+            work._fail(TcollError(f"{work.description} was cancelled"))
+            return True
         key = (work.peer, work.ctx, work.tag)
         posted = self.posted.get(key)
         if not posted or work not in posted:
@@ -87,8 +140,8 @@ class Matcher:
         return True
 
     def expects_from(self, peer: int) -> bool:
-        """Whether a receive from `peer` is posted and not yet matched."""
-        return self.posted_from[peer] > 0
+        """Whether a receive from `peer` (or from any peer, or a probe) is posted and not yet matched."""
+        return self.posted_from[peer] > 0 or self.wild_any > 0 or self.probing > 0
 
     def abandon(self, ctx: int, lo: int, hi: int) -> None:
         """Discard messages with context `ctx` and a tag in [lo, hi): those of a call that failed here.
@@ -112,11 +165,18 @@ class Matcher:
         if peer is None:
             works = [w for queue in self.posted.values() for w in queue]
             works += [w for queue in self.unexpected.values() for w in queue]
+            works += [w for wild in self.wild.values() for w in wild]
             self.posted.clear()
             self.unexpected.clear()
+            self.wild.clear()
+            self.wild_any = 0
             self.posted_from = [0] * len(self.posted_from)
             return works
         works = [w for key in [k for k in self.posted if k[0] == peer] for w in self.posted.pop(key)]
+        for wild in list(self.wild.values()):  # a wildcard's peer fails it only if it names that peer
+            for work in [w for w in wild if w.peer == peer]:
+                self._unwild(work)
+                works.append(work)
         self.posted_from[peer] = 0
         return works + [w for key, queue in self.unexpected.items() if key[0] == peer for w in queue]
 
@@ -132,18 +192,17 @@ class Matcher:
         """
         key = (peer, ctx, tag)
         posted = self.posted.get(key)
+        wild = self.wild.get(ctx) if self.wild else None
+        if wild:
+            work = self._wildcard(wild, peer, tag, posted[0] if posted else None)
+            if work is not None:
+                return self._matched(work, nbytes, stamp)
         if posted:
             work = posted.popleft()
             if not posted:
                 del self.posted[key]
             self.posted_from[peer] -= 1
-            work.nbytes = nbytes
-            if work.stamp is not None and stamp != work.stamp:
-                work.seen = stamp  # another call's message: discarded, and the receive fails
-                work.data = None
-            elif nbytes > work.capacity:
-                work.data = None  # discard the payload; fail once it has streamed past
-            return work
+            return self._matched(work, nbytes, stamp)
         if self.abandoned and any(c == ctx and lo <= tag < hi for c, lo, hi in self.abandoned):
             return self.sink(peer, ctx, tag, nbytes, "late message of a failed call")
         watch = self.watches.get(ctx) if self.watches else None
@@ -151,11 +210,34 @@ class Matcher:
         if kind is not None:
             return watch.take(self, kind, peer, ctx, tag, nbytes, stamp)  # type: ignore[union-attr]
         engine = self.engine
-        if nbytes > engine.settings.eager_limit and self.posted_from[peer] == 0 and peer != engine.rank:
+        if (nbytes > engine.settings.eager_limit and self.posted_from[peer] == 0 and not self.wild_any
+                and not self.probing and peer != engine.rank):
             return None
         if watch is not None:
             watch.note(peer, tag, stamp)
         return self.keep(peer, ctx, tag, nbytes, stamp)
+
+    def _wildcard(self, wild: list[RecvWork], peer: int, tag: int, specific: RecvWork | None) -> RecvWork | None:
+        """The first-posted wildcard receive that takes (peer, tag), unless `specific` was posted before it."""
+        for work in wild:
+            if (work.peer == ANY or work.peer == peer) and (work.tag == ANY or work.tag == tag):
+                if specific is not None and specific.order < work.order:
+                    return None
+                self._unwild(work)
+                work.peer, work.tag = peer, tag
+                return work
+        return None
+
+    @staticmethod
+    def _matched(work: RecvWork, nbytes: int, stamp: int) -> RecvWork:
+        """A posted receive takes an arriving message: check its stamp and size."""
+        work.nbytes = nbytes
+        if work.stamp is not None and stamp != work.stamp:
+            work.seen = stamp  # another call's message: discarded, and the receive fails
+            work.data = None
+        elif nbytes > work.capacity:
+            work.data = None  # discard the payload; fail once it has streamed past
+        return work
 
     def keep(self, peer: int, ctx: int, tag: int, nbytes: int, stamp: int) -> RecvWork:
         """Take in a message no receive waits for, into a buffer of its own, to hand to the receive to come."""
@@ -163,6 +245,8 @@ class Matcher:
                          None, f"unexpected message from rank {peer} (tag {tag})")
         early.nbytes = nbytes
         early.seen = stamp
+        self.arrivals += 1
+        early.order = self.arrivals
         self.unexpected.setdefault((peer, ctx, tag), deque()).append(early)
         return early
 

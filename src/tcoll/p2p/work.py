@@ -16,7 +16,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Work", "SendWork", "RecvWork", "wait_any"]
+__all__ = ["Work", "SendWork", "RecvWork", "GroupWork", "wait_any", "wait_all", "test_some"]
 
 
 class Work:
@@ -185,7 +185,7 @@ class RecvWork(Work):
     """
 
     __slots__ = ("peer", "ctx", "tag", "data", "capacity", "nbytes", "offset", "user_buffer", "forward", "stamp",
-                 "seen", "watch")
+                 "seen", "watch", "order", "ranks")
 
     def __init__(self, engine: Engine, peer: int, ctx: int, tag: int, data: np.ndarray | None, user_buffer: Any,
                  description: str = "", stamp: int | None = None) -> None:
@@ -202,10 +202,22 @@ class RecvWork(Work):
         self.stamp = stamp
         self.seen = 0
         self.watch: Any = None  # a notice's watcher: told once the payload is in
+        self.order = 0  # when it was posted (or, for a message that came early, when it came)
+        self.ranks: list[int] | None = None  # the world rank of each rank of the user's communicator
+
+    @property
+    def source(self) -> int:
+        """The rank (of the communicator it was posted on) whose message it received; -1 until matched."""
+        if self.peer < 0 or self.ranks is None:
+            return self.peer
+        return self.ranks.index(self.peer) if self.peer in self.ranks else self.peer
 
     @property
     def description(self) -> str:
-        return self._description or f"recv from rank {self.peer} (tag {self.tag}, up to {self.capacity} B)"
+        if self._description:
+            return self._description
+        peer = "any rank" if self.peer < 0 else f"rank {self.peer}"
+        return f"recv from {peer} (tag {'any' if self.tag < 0 else self.tag}, up to {self.capacity} B)"
 
     def cancel(self) -> bool:
         """Withdraw this receive unless a message already matched it (see Work.cancel)."""
@@ -220,7 +232,113 @@ class RecvWork(Work):
             self.forward._fail(error)
 
     def peers(self) -> list[int]:
-        return [] if self._done else [self.peer]
+        return [] if self._done or self.peer < 0 else [self.peer]
+
+
+class GroupWork(Work):
+    """A Work made of several: done when all of its parts are, failed with the first part that fails.
+
+    Args:
+        engine: the parts' engine.
+        parts: the Works it is made of.
+        value: what result() returns once every part completed (a callable: called then, with no argument).
+        description: names it in errors.
+        status: the receive whose `source`, `tag` and `nbytes` it tells (sendrecv's).
+    """
+
+    __slots__ = ("parts", "_left", "_outcome", "status")
+
+    def __init__(self, engine: Engine | None, parts: Sequence[Work], value: Any, description: str,
+                 status: RecvWork | None = None) -> None:
+        super().__init__(engine, description)
+        self.parts = list(parts)
+        self._left = len(self.parts)
+        self._outcome = value
+        self.status = status
+        if not self.parts:
+            self._finish(value() if callable(value) else value)
+        for part in self.parts:
+            part.add_done_callback(self._part_done)
+
+    def _part_done(self, part: Work) -> None:
+        self._left -= 1
+        if part._error is not None:
+            self._fail(part._error)
+        elif self._left == 0 and not self._done:
+            try:
+                self._finish(self._outcome() if callable(self._outcome) else self._outcome)
+            except Exception as exc:  # noqa: BLE001 - e.g. unpickling: the work's failure
+                self._fail(exc)
+
+    def cancel(self) -> bool:
+        """Withdraw the receives among the parts that no message has matched yet."""
+        return any([part.cancel() for part in self.parts])
+
+    def peers(self) -> list[int]:
+        return sorted({peer for part in self.parts for peer in part.peers()})
+
+    @property
+    def source(self) -> int:
+        """The rank its receive took a message from (-1: it has none, or not yet)."""
+        return -1 if self.status is None else self.status.source
+
+    @property
+    def tag(self) -> int:
+        """The tag of the message its receive took (-1: it has none, or not yet)."""
+        return -1 if self.status is None else self.status.tag
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the message its receive took (-1: it has none, or not yet)."""
+        return -1 if self.status is None else self.status.nbytes
+
+
+def wait_all(works: Sequence[Work], timeout: float | None = None) -> list[Any]:
+    """Wait for every one of `works`; return their results in order.
+
+    Args:
+        works: Works (of any calls of one engine; none is fine).
+        timeout: seconds to wait for all, at most (None: each work's engine's timeout setting).
+
+    Returns:
+        [work.result() for work in works].
+
+    Raises:
+        tcoll.TimeoutError: not all completed in time.
+        The first error of a failed work (after all have been waited for).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    error: BaseException | None = None
+    results = []
+    for work in works:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            results.append(work.wait(left))
+        except BaseException as exc:  # noqa: BLE001 - the others are still waited for
+            if _timed_out(exc):
+                raise
+            error = error or exc
+            results.append(None)
+    if error is not None:
+        raise error
+    return results
+
+
+def _timed_out(exc: BaseException) -> bool:
+    from ..errors import TimeoutError
+
+    return isinstance(exc, TimeoutError)
+
+
+def test_some(works: Sequence[Work]) -> list[int]:
+    """Make progress once and return the indices of the works that are done (completed or failed)."""
+    engine = next((w._engine for w in works if w._engine is not None and not w._done), None)
+    if engine is not None:
+        engine.poll()
+    return [index for index, work in enumerate(works) if work._done]
+
+
+test_some.__test__ = False  # type: ignore[attr-defined]  # not a test, for pytest
 
 
 def wait_any(works: Sequence[Work], timeout: float | None = None) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
+from ..p2p import notice
 from ..p2p.waiting import Doorbell, fence
 from ..segments import SHM_DIR, Segment, segment_name
 
@@ -290,6 +291,7 @@ class Arena:
         deadline = start + self.timeout
         interval = engine.settings.liveness_interval
         next_probe = start + interval
+        notice_at = start + notice.notice_after()  # a long wait says so, once
         while not ready():
             now = time.monotonic()
             if engine.closed:
@@ -297,6 +299,10 @@ class Arena:
             if now >= deadline or now >= next_probe:
                 self._check_behind(target, rank, now >= deadline)
                 next_probe = now + interval
+                if now >= notice_at:
+                    behind = [q for q in range(self.size) if (rank is None or q == rank) and counters[q] < target]
+                    notice.say(self.rank, f"{self.label} #{self.sequence} (shm)", behind, now - start, self.timeout)
+                    notice_at = float("inf")
             engine.block_unless(ready, min(next_probe, deadline) - now)
         spin.record(time.monotonic() - start, True)
         if self.alarm is not None:

@@ -3,10 +3,12 @@
 They follow tcoll.shm.vector: per slot-sized step, the writers copy
 their pieces into their slots (or lend their shared buffer, see
 `Communicator.empty`) and publish; the readers copy (or reduce) straight
-out of the slots. Counts may differ per rank except in all_to_all.
+out of the slots. Counts may differ per rank except in all_to_all (all_to_allv has its own).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -294,3 +296,60 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
             out_raw[q * block + lo:q * block + hi] = (arena.slot(q, step)[me * share:me * share + hi - lo]
                                                       if src is None else src[me * block + lo:me * block + hi])
     arena.finish_lending(total, ref is not None)
+
+
+@algorithm("all_to_allv", "shm", cost=_a2a_cost, direct=True)
+def all_to_allv(arena: Arena, header: np.ndarray, blocks: list[np.ndarray],
+                arrived: Callable[[np.ndarray], tuple[np.ndarray, list[int], int]]) -> None:
+    """Shared-memory all_to_allv in one go: the counts travel in the first step, with the data.
+
+    Steps: in the first step every rank puts its header (its description and
+    counts) at the head of its slot, and after it the first share of each
+    block it sends (`blocks[d]`, flat bytes, for rank d); once all have
+    published, each reads every header, learns the whole count matrix (so
+    how many steps the widest block takes, alike on every rank) and where
+    its output goes (`arrived` returns the output bytes, the bytes from each
+    rank, and the widest block), and copies its shares out. Further steps
+    move the rest with full shares, as all_to_all does. One synchronisation
+    fewer than learning the counts first.
+    """
+    size, me, width = arena.size, arena.rank, header.size
+    if size == 1:
+        arrived(header)
+        return
+    share = arena.slot_bytes // size
+    first = (arena.slot_bytes - width) // size  # the first step's shares: the headers come before them
+    if first <= 0:
+        raise ValueError(f"all_to_allv: the shared-memory slot ({arena.slot_bytes} B) cannot hold the counts of "
+                         f"{size} ranks; raise TCOLL_SHM_SLOT")
+    step = arena.first_step()
+    slot = arena.slot(me, step)
+    slot[:width] = header
+    _put_shares(slot, width, first, blocks, 0, me)
+    arena.publish(step)
+    arena.agree(step)
+    out, recv_bytes, widest = arrived(np.concatenate([arena.slot(q, step)[:width] for q in range(size)]))
+    recv_at = displacements(recv_bytes)
+    lo, base, piece = 0, width, first
+    while True:
+        for q in range(size):
+            hi = min(recv_bytes[q], lo + piece)
+            if q != me and hi > lo:
+                at = base + me * piece
+                out[recv_at[q] + lo:recv_at[q] + hi] = arena.slot(q, step)[at:at + hi - lo]
+        lo += piece
+        if lo >= widest:
+            return
+        base, piece = 0, share
+        step = arena.claim()
+        _put_shares(arena.slot(me, step), 0, share, blocks, lo, me)
+        arena.publish(step)
+        arena.wait_all(step)
+
+
+def _put_shares(slot: np.ndarray, base: int, piece: int, blocks: list[np.ndarray], lo: int, skip: int) -> None:
+    """Copy bytes [lo, lo + piece) of each block d (but `skip`) to slot[base + d * piece:]."""
+    for d, block in enumerate(blocks):
+        hi = min(block.size, lo + piece)
+        if d != skip and hi > lo:
+            slot[base + d * piece:base + d * piece + hi - lo] = block[lo:hi]

@@ -1,16 +1,19 @@
 """Zero-copy buffers: arrays in shared memory that the other ranks of the host can read directly.
 
-`Communicator.empty` / `zeros` allocate here. Each buffer is its own file in
-/dev/shm (``tcoll-<run id>-<rank>-heap<id>``, the id random so that no earlier
-job's leftover can collide), mapped by its owner. When a
+`Communicator.empty` / `zeros` allocate here. Each buffer is its own memfd named
+``tcoll-<run id>-<rank>-heap<id>`` (the id random, with the owner's pid in its
+high bits), mapped by its owner; readers find it at /proc/<pid>/fd, so a rank
+killed by any signal leaves nothing in /dev/shm. Where the ranks of a host do
+not share a pid namespace, buffers are files in /dev/shm of that name instead,
+removed when freed (and by `tcoll run` after a crash). When a
 direct collective (tcoll.shm.vector, tcoll.shm.blocks) is given such a buffer, the rank
 publishes (heap id, offset, length) instead of copying its data into the
 arena; the readers map the file on first sight (and keep a bounded cache of
 mappings) and read straight from it. This is the counterpart of NCCL's
 user-buffer registration, without a registration call.
 
-A file lives as long as its array does (or until the world communicator
-closes); the mappings stay valid after the unlink, so a reader that already
+A buffer lives as long as its array does (or until the world communicator
+closes); the mappings stay valid after that, so a reader that already
 mapped a buffer keeps it. Readers keep at most `_PEER_MAPPED_BYTES` of other
 ranks' buffers mapped, and drop the mappings of files already removed first.
 """
@@ -27,11 +30,19 @@ from typing import Any
 import numpy as np
 
 from ..errors import TransportError
-from ..segments import SHM_DIR, Segment, segment_name, unlink
+from ..segments import (
+    SHM_DIR,
+    Segment,
+    anonymous_link,
+    find_anonymous,
+    segment_name,
+    unlink,
+)
 
 __all__ = ["Heap", "heap_of"]
 
 _PEER_MAPPED_BYTES = 1 << 30  # other ranks' buffers kept mapped (freed ones are dropped first)
+_PID_SHIFT = 40  # heap ids: the owner's pid above this bit, random bits below
 
 
 class Heap:
@@ -42,16 +53,22 @@ class Heap:
         world_rank: this rank in the world.
     """
 
-    def __init__(self, run_id: str, world_rank: int) -> None:
+    def __init__(self, run_id: str, world_rank: int, anonymous: bool = True) -> None:
         self._run_id = run_id or "local"
         self._rank = world_rank
+        self._anonymous = anonymous
         self._lock = threading.Lock()
-        self._own: dict[int, tuple[int, int]] = {}  # heap id -> (start address, nbytes)
+        # heap id -> (start address, nbytes, the memfd or the file path); never the mapping, which must be free to go
+        self._own: dict[int, tuple[int, int, int | str]] = {}
+        self._peer_paths: dict[tuple[int, int], str] = {}  # (rank, heap id) -> where it was mapped from
         self._peer_maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._closed = False
 
+    def _name(self, world_rank: int, heap_id: int) -> str:
+        return segment_name(self._run_id, world_rank, f"heap{heap_id}")
+
     def _path(self, world_rank: int, heap_id: int) -> str:
-        return os.path.join(SHM_DIR, segment_name(self._run_id, world_rank, f"heap{heap_id}"))
+        return os.path.join(SHM_DIR, self._name(world_rank, heap_id))
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """A new zero-filled uint8 array of `nbytes` bytes in shared memory.
@@ -61,19 +78,25 @@ class Heap:
         """
         if self._closed:
             raise TransportError("the communicator that owns this shared-memory heap is closed")
-        heap_id = secrets.randbits(62) | 1  # never 0, which descriptors use for "not lent"
-        segment = Segment.create(self._path(self._rank, heap_id), nbytes)
+        # Never 0 (descriptors use it for "not lent"); the pid tells readers where to look.
+        heap_id = (os.getpid() << _PID_SHIFT) | (secrets.randbits(_PID_SHIFT - 1) << 1) | 1
+        if self._anonymous:
+            segment = Segment.create_anonymous(self._name(self._rank, heap_id), nbytes)
+        else:
+            segment = Segment.create(self._path(self._rank, heap_id), nbytes)
         arr = np.frombuffer(segment.map, dtype=np.uint8, count=nbytes)
         with self._lock:
-            self._own[heap_id] = (arr.__array_interface__["data"][0], nbytes)
-        weakref.finalize(segment.map, self._release, heap_id, segment.path)
+            self._own[heap_id] = (arr.__array_interface__["data"][0], nbytes,
+                                  segment.path if segment.fd is None else segment.fd)
+        weakref.finalize(segment.map, self._release, heap_id)
         return arr
 
-    def _release(self, heap_id: int, path: str) -> None:
-        """The buffer's last array is gone: forget it and remove its file."""
+    def _release(self, heap_id: int) -> None:
+        """The buffer's last array is gone: forget it and let go of its memory file."""
         with self._lock:
-            self._own.pop(heap_id, None)
-        unlink(path)
+            entry = self._own.pop(heap_id, None)
+        if entry is not None:
+            _let_go(entry[2])
 
     def locate(self, arr: np.ndarray) -> tuple[int, int, int] | None:
         """Where `arr` lies in this process's buffers: (heap id, byte offset, nbytes), or None."""
@@ -83,7 +106,7 @@ class Heap:
         end = address + arr.nbytes
         with self._lock:  # a finalizer on another thread may remove an entry meanwhile
             owned = list(self._own.items())
-        for heap_id, (start, nbytes) in owned:
+        for heap_id, (start, nbytes, _) in owned:
             if start <= address and end <= start + nbytes:
                 return heap_id, address - start, arr.nbytes
         return None
@@ -110,17 +133,34 @@ class Heap:
         A dropped mapping goes when its last view does, so its memory can return to the system.
         """
         for key in list(self._peer_maps):
-            if not os.path.exists(self._path(*key)):  # its owner freed it: nobody will lend it again
+            if not self._still_lent(key):  # its owner freed it: nobody will lend it again
                 del self._peer_maps[key]
+                self._peer_paths.pop(key, None)
         mapped = sum(view.nbytes for view in self._peer_maps.values())
         while self._peer_maps and mapped + incoming > _PEER_MAPPED_BYTES:
             mapped -= self._peer_maps.popitem(last=False)[1].nbytes
 
-    def _map_peer(self, world_rank: int, heap_id: int) -> np.ndarray:
+    def _still_lent(self, key: tuple[int, int]) -> bool:
+        """Whether the owner still holds buffer `key` (a /proc fd may since name another file)."""
+        path = self._peer_paths.get(key, "")
+        if not self._anonymous:
+            return os.path.exists(path)
         try:
-            segment = Segment.open(self._path(world_rank, heap_id))
+            return os.readlink(path) == anonymous_link(self._name(*key))
+        except OSError:
+            return False
+
+    def _map_peer(self, world_rank: int, heap_id: int) -> np.ndarray:
+        if self._anonymous:
+            path = find_anonymous(heap_id >> _PID_SHIFT, self._name(world_rank, heap_id)) or ""
+        else:
+            path = self._path(world_rank, heap_id)
+        try:
+            segment = Segment.open(path or self._name(world_rank, heap_id))
         except TransportError as exc:
-            raise TransportError(f"rank {world_rank}'s shared buffer {heap_id} cannot be mapped: {exc}") from exc
+            raise TransportError(f"rank {world_rank}'s shared buffer {heap_id} cannot be mapped "
+                                 f"(freed, or its process is gone): {exc}") from exc
+        self._peer_paths[(world_rank, heap_id)] = path
         return np.frombuffer(segment.map, dtype=np.uint8)
 
     def close(self) -> None:
@@ -128,9 +168,18 @@ class Heap:
         with self._lock:
             own, self._own = self._own, {}
             self._closed = True
-        for heap_id in own:
-            unlink(self._path(self._rank, heap_id))
+        for _, _, handle in own.values():
+            _let_go(handle)
         self._peer_maps.clear()
+        self._peer_paths.clear()
+
+
+def _let_go(handle: int | str) -> None:
+    """Close an own buffer's memfd, or remove its file: its mappings stay valid."""
+    if isinstance(handle, int):
+        os.close(handle)
+    else:
+        unlink(handle)
 
 
 _heaps: weakref.WeakKeyDictionary[Any, Heap] = weakref.WeakKeyDictionary()
@@ -142,6 +191,6 @@ def heap_of(engine: Any, run_id: str) -> Heap:
     with _heaps_lock:
         heap = _heaps.get(engine)
         if heap is None:
-            heap = _heaps[engine] = Heap(run_id, engine.rank)
+            heap = _heaps[engine] = Heap(run_id, engine.rank, engine.host_shares_pids)
             engine.closers.append(heap.close)
     return heap

@@ -24,6 +24,7 @@ from ..transport.loopback import LoopbackTransport
 from ..transport.mpi import MpiTransport
 from ..transport.shm import ShmTransport
 from ..transport.tcp import TcpTransport
+from .liveness import PeerWatch, WatchedStore
 from .rendezvous import exchange_cards
 
 __all__ = ["connect_world", "TRANSPORTS"]
@@ -55,7 +56,11 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
                                                                                  settings.interhost)]
     try:
         card = _identity_card(rank)
+        watch = PeerWatch(store, rank, size, dict(card))
+        watch.publish()
+        store = WatchedStore(store, watch)
         for transport in transports:
+            transport.peer_check = watch.check
             card[transport.name] = transport.prepare()
         cards = exchange_cards(store, rank, size, card, settings.timeout)
         assignment = _assign(transports, cards, rank, settings.transport)
@@ -65,7 +70,10 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
             for channel in channels.values():
                 engine.add_channel(channel)
         engine.hosts = HostMap([other["host"] for other in cards])
-        engine.set_ranks_on_host(len(engine.hosts.local_ranks(rank)))
+        neighbours = [cards[r] for r in engine.hosts.local_ranks(rank)]
+        engine.set_ranks_on_host(len(neighbours))
+        # Zero-copy buffers are found through /proc/<pid>: only where every rank of the host sees every pid.
+        engine.host_shares_pids = all(other["pidns"] == card["pidns"] and card["pidns"] for other in neighbours)
         if engine.hosts.count > 1:
             engine.link_latency = _agreed_latency(engine, store, rank, size, settings.timeout)
     except BaseException:

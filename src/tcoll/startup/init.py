@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import threading
@@ -10,7 +11,7 @@ from typing import Any
 from ..comm.communicator import Communicator, _on_close, track
 from ..env import Settings
 from ..store.base import Store
-from . import rendezvous
+from . import keys, rendezvous
 from .connect import connect_world
 from .mpi_meet import meet_through_mpi, wants_mpi_meeting
 
@@ -65,10 +66,16 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
         master_host = None
     else:
         info = rendezvous.detect(rank=rank, size=size, init_method=init_method)
-        store = rendezvous.open_store(info, init_method, settings.timeout)
+    run_id = _safe_run_id(run_id or info.run_id)
+    # A world of one rank needs no key of its own (nor the user's secret), but may meet a launcher's store.
+    key = keys.job_key(run_id, info.master) if info.size > 1 else info.auth_key
+    settings = dataclasses.replace(settings, auth_key=key)
+    if own_store:
+        store = rendezvous.open_store(dataclasses.replace(info, auth_key=key), init_method, settings.timeout)
         master_host = info.master_addr or None
+    assert store is not None
     try:
-        comm = connect(store, info.rank, info.size, settings, _safe_run_id(run_id or info.run_id), master_host)
+        comm = connect(store, info.rank, info.size, settings, run_id, master_host)
     except BaseException:
         if own_store:
             store.close()

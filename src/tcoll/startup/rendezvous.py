@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RendezvousError, TimeoutError
+from ..p2p import notice
 from ..store.base import PrefixStore, Store
 from ..store.file import FileStore
 from ..store.memory import MemoryStore
@@ -73,7 +74,7 @@ class LaunchInfo:
             "pmi", "slurm", "explicit", or "single" (no launcher: a world of one).
         torch_agent_store: the store at the master is torchrun's agent store, a torch TCPStore.
         attempt: torchelastic restart count; each attempt meets under its own keys.
-        auth_key: TCOLL_AUTH_KEY, the secret the TCP store demands (hidden from repr).
+        auth_key: TCOLL_AUTH_KEY as read; `init` replaces it with the job's key (see `keys`) (hidden from repr).
     """
 
     rank: int
@@ -283,8 +284,17 @@ def exchange_cards(store: Store, rank: int, size: int, card: dict[str, Any], tim
         RendezvousError: some ranks did not publish in time; names them and the store.
     """
     store.set(f"card/{rank}", json.dumps(card, separators=(",", ":")).encode())
+    keys = [f"card/{r}" for r in range(size)]
     try:
-        raw = store.multi_get([f"card/{r}" for r in range(size)], timeout)
+        first = min(timeout, notice.notice_after())
+        try:
+            raw = store.multi_get(keys, first)
+        except TimeoutError as exc:
+            if first >= timeout:
+                raise
+            missing = _missing_ranks(store, exc, "card/{}", size)  # a long wait says so, once
+            notice.say(rank, f"the rendezvous at {store.address}", missing, first, timeout)
+            raw = store.multi_get(keys, timeout - first)
     except TimeoutError as exc:
         missing = _missing_ranks(store, exc, "card/{}", size)
         raise RendezvousError(

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import SpawnError
 from ..segments import remove_shm_segments
+from . import keys
 
 __all__ = ["spawn"]
 
@@ -127,6 +128,7 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
     for worker in workers:
         worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     running = [rank for rank, worker in enumerate(workers) if worker.is_alive()]
+    _merge_timeline({})
     if running:
         # Closing a communicator fails the operations its rank is blocked in: the threads end.
         for comm in comms:
@@ -154,6 +156,15 @@ def _first_cause(errors: dict[int, BaseException]) -> int:
     return min(primary or errors)
 
 
+def _merge_timeline(env: dict[str, str]) -> None:
+    """With TCOLL_TRACE, join the ranks' parts of the timeline into the one file it names (as tcoll run does)."""
+    path = env.get("TCOLL_TRACE") or os.environ.get("TCOLL_TRACE")
+    if path:
+        from ..p2p.timeline import merge
+
+        merge(path)
+
+
 # -- processes -----------------------------------------------------------------
 
 
@@ -163,7 +174,9 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
 
     payload = _pickle_function(fn)  # first: a TypeError here must leave nothing running
     context = _context(start_method)
-    server = TCPStoreServer("127.0.0.1", 0)
+    given = env.get("TCOLL_AUTH_KEY", os.environ.get("TCOLL_AUTH_KEY"))
+    key = keys.job_key("", "", {"TCOLL_AUTH_KEY": given}) if given is not None else keys.new_job_key()
+    server = TCPStoreServer("127.0.0.1", 0, auth_key=key or None)
     run_id = secrets.token_hex(6)
     procs: list[Any] = []
     pipes: list[Connection] = []
@@ -171,7 +184,7 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
         for rank in range(nprocs):
             rank_env = dict(env, TCOLL_RANK=str(rank), TCOLL_SIZE=str(nprocs), TCOLL_LOCAL_RANK=str(rank),
                             TCOLL_LOCAL_SIZE=str(nprocs), TCOLL_MASTER=f"127.0.0.1:{server.port}",
-                            TCOLL_STORE_HOSTED="1", TCOLL_RUN_ID=run_id)
+                            TCOLL_STORE_HOSTED="1", TCOLL_RUN_ID=run_id, TCOLL_AUTH_KEY=key)
             parent_end, child_end = context.Pipe(duplex=False)
             proc = context.Process(target=_process_main, args=(payload, args, rank_env, init_kwargs, child_end),
                                    name=f"tcoll-rank-{rank}", daemon=True)
@@ -186,6 +199,7 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
             pipe.close()
         server.close()
         remove_shm_segments(run_id)
+        _merge_timeline(env)
 
 
 def _context(start_method: str | None) -> Any:

@@ -1,7 +1,7 @@
 """Key-value stores the ranks of a job meet through: memory, file, TCP, and torch's (loaded on first use).
 
-Owns: the Store interface and its implementations, the TCP store's server and its wire format.
-May import: the leaves only (errors); importing tcoll never imports torch through it.
+Owns: the Store interface and its implementations, the TCP store's server, its wire format and its limits.
+May import: the leaves only (errors, env); importing tcoll never imports torch through it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import DEFAULT_TIMEOUT, PrefixStore, Store
 from .file import FileStore
+from .limits import StoreLimitError, StoreLimits
 from .memory import MemoryStore
 from .tcp import TCPStore, TCPStoreServer
 
@@ -24,6 +25,8 @@ __all__ = [
     "FileStore",
     "TCPStore",
     "TCPStoreServer",
+    "StoreLimits",
+    "StoreLimitError",
     "TorchStore",
 ]
 

@@ -3,13 +3,15 @@
 The wire format is described in `tcoll.store.wire`; the server is in
 `tcoll.store.tcp_server`. Blocking reads (`get`, `wait`) wait inside the
 server, which answers when the keys appear or the timeout passes, so clients
-never poll.
+never poll. A connection the server closed for being idle is replaced on the
+next request, without the caller noticing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
+import os
+import select
 import socket
 import threading
 import time
@@ -17,22 +19,12 @@ import time
 from ..errors import RendezvousError
 from ..errors import TimeoutError as StoreTimeoutError
 from .base import DEFAULT_TIMEOUT, Store, as_bytes
+from .limits import StoreLimitError
 from .tcp_server import TCPStoreServer
 from .wire import (
-    ERROR,
-    F64,
-    I64,
-    MAGIC,
-    OK,
-    TIMEOUT,
-    Op,
-    ProtocolError,
-    decode,
-    encode,
-    format_address,
-    recv_frame,
-    send_frame,
-)
+    ERROR, F64, GOODBYE, HANDSHAKE_FRAME, I64, LIMIT, MAGIC, NONCE, OK, TIMEOUT, Op, ProtocolError, decode, encode,
+    format_address, proof, recv_frame, send_frame,
+)  # fmt: skip
 
 __all__ = ["TCPStore", "TCPStoreServer"]
 
@@ -41,6 +33,23 @@ _MAX_BACKOFF = 1.0
 # Extra connections are opened after the server is known to be up, so a short
 # retry window suffices; it bounds the hang when the server has died meanwhile.
 _RECONNECT_TIMEOUT = 10.0
+_RESENDS = 3  # times a request is sent again on a new connection after the server said GOODBYE
+
+
+class _Busy(ConnectionError):
+    """The server turned this connection away without executing anything (GOODBYE): try another."""
+
+
+def _stale(sock: socket.socket) -> str:
+    """How an idle pooled connection stands: "ok", "idle" (the server said GOODBYE) or "closed" (it is gone)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)  # (recv would wait out the socket's timeout)
+        if not readable:
+            return "ok"
+        head = sock.recv(5, socket.MSG_PEEK)  # between requests the server sends nothing but a GOODBYE
+    except (OSError, ValueError):
+        return "closed"
+    return "idle" if len(head) == 5 and head[4] == GOODBYE else "closed"
 
 
 def _key_bytes(auth_key: bytes | str | None) -> bytes:
@@ -156,7 +165,7 @@ class TCPStore(Store):
                     raise RendezvousError(
                         f"the service at {self.address} is not a tcoll store: {exc}", address=self.address
                     ) from None
-                except OSError as exc:  # the server went away mid-handshake (e.g. restarting)
+                except OSError as exc:  # the server went away mid-handshake, or has too many clients
                     sock.close()
                     last = exc
                 except BaseException:  # refused (wrong key), interrupted
@@ -173,24 +182,42 @@ class TCPStore(Store):
             delay = min(delay * 2, _MAX_BACKOFF)
 
     def _handshake(self, sock: socket.socket) -> None:
-        """Say hello and prove the key (see the module docstring)."""
+        """Say hello, check the server's proof of the key, prove it ourselves (see `tcoll.store.wire`).
+
+        Raises:
+            RendezvousError: the server refused us, or failed to prove it knows our key.
+            ProtocolError: the service is not a tcoll store.
+            _Busy: the server has too many connections (worth retrying).
+        """
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_frame(sock, encode(Op.HELLO, MAGIC))
-        status, fields = self._read_reply(sock)
-        if status != OK or len(fields) != 1:
+        mine = os.urandom(NONCE)
+        send_frame(sock, encode(Op.HELLO, MAGIC, mine))
+        status, fields = self._read_reply(sock, HANDSHAKE_FRAME)  # nothing large from an unproven server
+        if status == ERROR and fields:
+            raise self._refused(fields)
+        if status != OK or len(fields) != 2 or len(fields[0]) != NONCE:
             raise ProtocolError("unexpected handshake reply")
-        proof = hmac.new(self._auth_key, fields[0], hashlib.sha256).digest() if self._auth_key else b""
-        send_frame(sock, encode(Op.AUTH, proof))
-        status, fields = self._read_reply(sock)
+        theirs, server_proof = fields
+        if self._auth_key and not hmac.compare_digest(server_proof, proof(self._auth_key, b"S", mine, theirs)):
+            why = "it has no key" if not server_proof else "the keys differ"
+            raise RendezvousError(f"refused the store at {self.address}: it failed to prove it knows TCOLL_AUTH_KEY "
+                                  f"({why}, or another job or service holds this address)", address=self.address)
+        send_frame(sock, encode(Op.AUTH, proof(self._auth_key, b"C", theirs, mine)))
+        status, fields = self._read_reply(sock, HANDSHAKE_FRAME)
+        if status == GOODBYE:
+            raise _Busy(fields[0].decode(errors="replace") if fields else "the store turned the connection away")
         if status == ERROR:
-            message = fields[0].decode(errors="replace") if fields else "refused"
-            raise RendezvousError(f"the store at {self.address} refused this client: {message}", address=self.address)
+            raise self._refused(fields)
         if status != OK:
             raise ProtocolError("unexpected authentication reply")
 
+    def _refused(self, fields: list[bytes]) -> RendezvousError:
+        message = fields[0].decode(errors="replace") if fields else "refused"
+        return RendezvousError(f"the store at {self.address} refused this client: {message}", address=self.address)
+
     @staticmethod
-    def _read_reply(sock: socket.socket) -> tuple[int, list[bytes]]:
-        body = recv_frame(sock)
+    def _read_reply(sock: socket.socket, limit: int | None = None) -> tuple[int, list[bytes]]:
+        body = recv_frame(sock) if limit is None else recv_frame(sock, limit)
         if body is None:
             raise ConnectionResetError("the store closed the connection")
         return decode(body)
@@ -199,8 +226,16 @@ class TCPStore(Store):
         with self._lock:
             if self._closed:
                 raise RendezvousError(f"store client for {self.address} is closed", address=self.address)
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                sock = self._idle.pop()
+                state = _stale(sock)
+                if state == "ok":
+                    return sock
+                self._socks.discard(sock)
+                sock.close()
+                if state == "closed":  # not an idle close: the server is gone, as every request would find
+                    raise RendezvousError(f"lost the connection to the store at {self.address}: it closed the "
+                                          "connection", address=self.address)
         # Every connection is busy (another thread is blocked in a request): open one more.
         sock = self._connect(min(self.default_timeout, _RECONNECT_TIMEOUT))
         with self._lock:
@@ -228,10 +263,28 @@ class TCPStore(Store):
             tcoll.TimeoutError: the server answered "timeout" (the caller builds the
                 message) or did not answer at all.
             RendezvousError: the connection to the store broke.
+            StoreLimitError: the request exceeds a limit of the server (nothing was stored).
             ValueError: the server rejected the request's values.
         """
+        for _ in range(_RESENDS):
+            status, reply = self._exchange(op, fields, wait)
+            if status != GOODBYE:  # else: the server closed that connection unused; it executed nothing
+                break
+        if status == LIMIT:
+            raise StoreLimitError(f"store {self.address}: {reply[0].decode(errors='replace') if reply else 'limit'}")
+        if status == ERROR:
+            raise ValueError(reply[0].decode(errors="replace") if reply else "store error")
+        if status == TIMEOUT:
+            raise self._timeout_error([k.decode(errors="replace") for k in reply], wait or 0.0)
+        if status != OK:
+            raise RendezvousError(f"the store at {self.address} keeps closing connections: "
+                                  f"{reply[0].decode(errors='replace') if reply else status}", address=self.address)
+        return reply
+
+    def _exchange(self, op: Op, fields: tuple[bytes, ...], wait: float | None) -> tuple[int, list[bytes]]:
+        """Send one request on a pooled connection and read its reply (see `_request`)."""
         sock = self._acquire()
-        healthy = False
+        healthy, status = False, ERROR
         try:
             sock.settimeout(self.default_timeout if wait is None else wait + _REPLY_GRACE)
             send_frame(sock, encode(op, *fields))
@@ -247,12 +300,8 @@ class TCPStore(Store):
                 f"lost the connection to the store at {self.address}: {exc}", address=self.address
             ) from None
         finally:
-            self._release(sock, healthy)
-        if status == ERROR:
-            raise ValueError(reply[0].decode(errors="replace") if reply else "store error")
-        if status == TIMEOUT:
-            raise self._timeout_error([k.decode(errors="replace") for k in reply], wait or 0.0)
-        return reply
+            self._release(sock, healthy and status != GOODBYE)
+        return status, reply
 
     # -- the Store interface ---------------------------------------------------------
 

@@ -1,182 +1,130 @@
 """The TCP store's server (the client is `tcoll.store.tcp`, the format `tcoll.store.wire`).
 
-The server runs an accept thread and one thread per connection, inside the
-process that hosts it (rank 0, or the launcher). A request that must wait for
-keys parks its connection's thread on an event registered under each missing
-key; `set` wakes exactly the waiters of that key, so hundreds of ranks waiting
-for one another do not wake each other for nothing.
+One thread runs a `selectors` event loop over non-blocking sockets, inside the
+process that hosts the store (rank 0, or the launcher). Everything it holds is
+bounded by `StoreLimits`:
+
+- before a client has proved the key it reads frames of at most
+  `wire.HANDSHAKE_FRAME` bytes, gives it `handshake_timeout` seconds from
+  accept, and keeps at most `max_handshakes` such connections (the oldest goes);
+- after it, one request is at most `max_request` bytes (larger ones are read
+  and thrown away, then answered LIMIT), requests being received share a
+  budget of `max_bytes`, stored keys and values another `max_bytes`, and
+  `max_connections` clients may be connected;
+- a connection without a request for `idle_timeout` seconds is closed with a
+  GOODBYE, after which the client reconnects by itself;
+- when file descriptors run out, accepting pauses with a growing back-off
+  instead of spinning.
+
+A request that must wait for keys parks on the first missing key; `set`
+rechecks exactly that key's waiters.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
-import hashlib
+import heapq
 import hmac
-import math
+import itertools
 import os
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 
-from ..errors import RendezvousError
-from .base import as_bytes, cas_result, parse_counter
+from .base import as_bytes
+from .limits import StoreLimits
+from .listener import bind_listener
+from .table import Table
 from .wire import (
-    ERROR,
-    F64,
-    I64,
-    MAGIC,
-    OK,
-    TIMEOUT,
-    Op,
-    ProtocolError,
-    decode,
-    encode,
-    format_address,
-    recv_frame,
-    send_frame,
-)
+    ERROR, GOODBYE, HANDSHAKE_FRAME, LIMIT, MAGIC, NONCE, OK, U32, Op, ProtocolError, decode,
+    encode_parts, format_address, proof,
+)  # fmt: skip
 
 __all__ = ["TCPStoreServer"]
 
-_ABORT_CHECK = 1.0  # seconds between checks, while a request waits, that its client is still there
-_HANDSHAKE_TIMEOUT = 30.0
-_DRAIN = 2.0  # seconds close() lets requests in flight send their replies
+_DRAIN = 2.0  # seconds close() lets replies already computed go out
+_LINGER = 5.0  # seconds a GOODBYE or refusal waits for its client to read it and hang up
+_ACCEPT_BATCH = 64
+_BACKOFF = (0.05, 1.0)  # first and longest pause of accepting when file descriptors run out
+_FD_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_CHUNK = 1 << 20
+HELLO, AUTH, READY, PARKED, CLOSING = range(5)
+_WAKE = object()
+_BAD_REQUEST = (ProtocolError, struct.error, IndexError, ValueError, KeyError)
 
 
-def _peer_closed(sock: socket.socket) -> bool:
-    """Whether the client hung up (checked while its request waits)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
+class _Conn:
+    """One client connection and where its current frame stands."""
 
+    __slots__ = ("sock", "state", "events", "nonce", "peer_nonce", "head", "body", "got", "want", "discard",
+                 "out", "deadline", "queued", "authed", "closed", "reserved")
 
-class _Table:
-    """The key-value data, with per-key waiters."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.data: dict[bytes, bytes] = {}
-        self.waiters: dict[bytes, set[threading.Event]] = {}
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.state = HELLO
+        self.events = 0
+        self.nonce = self.peer_nonce = b""
+        self.head = bytearray()  # the length prefix being read
+        self.body: bytearray | None = None  # the frame being read
+        self.got = 0
+        self.want = 0  # a frame length waiting for budget (0: none)
+        self.discard = 0  # bytes of an oversized request still to throw away
+        self.out: collections.deque[memoryview] = collections.deque()
+        self.deadline: float | None = deadline
+        self.queued: float | None = None  # the deadline of this connection's entry in the timer heap
+        self.authed = False
         self.closed = False
+        self.reserved = 0  # bytes of the receive budget this connection's frame holds
 
-    def put(self, key: bytes, value: bytes) -> None:
-        """Store a value and wake the requests waiting for this key (lock held)."""
-        self.data[key] = value
-        for event in self.waiters.pop(key, ()):
-            event.set()
-
-    def close(self) -> None:
-        """Wake every waiting request so that it returns (the server is stopping)."""
-        with self.lock:
-            self.closed = True
-            for events in self.waiters.values():
-                for event in events:
-                    event.set()
-            self.waiters.clear()
-
-    def wait(self, keys: list[bytes], timeout: float, abort: Callable[[], bool]) -> tuple[int, list[bytes]]:
-        """Wait until every key exists.
-
-        Returns:
-            (OK, values), (TIMEOUT, missing keys), or (ERROR, []) when aborted
-            (client gone or server stopping).
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            event = threading.Event()
-            with self.lock:
-                missing = [k for k in keys if k not in self.data]
-                if not missing:
-                    return OK, [self.data[k] for k in keys]
-                remaining = deadline - time.monotonic()
-                if self.closed:
-                    return ERROR, []
-                if remaining <= 0:
-                    return TIMEOUT, missing
-                for key in missing:
-                    self.waiters.setdefault(key, set()).add(event)
-            event.wait(min(remaining, _ABORT_CHECK))
-            with self.lock:
-                for key in missing:
-                    events = self.waiters.get(key)
-                    if events is not None:
-                        events.discard(event)
-                        if not events:
-                            del self.waiters[key]
-            if not event.is_set() and abort():
-                return ERROR, []
+    def mid_frame(self) -> bool:
+        return bool(self.head) or self.body is not None or self.discard > 0 or self.want > 0
 
 
 class TCPStoreServer:
-    """Serves a store over TCP from daemon threads of this process.
+    """Serves a store over TCP from one daemon thread of this process.
 
     Args:
         host: the address to bind, exactly ("127.0.0.1" keeps the store private to
             this host; "0.0.0.0" or "" accepts any interface).
         port: the port; 0 picks a free one (see `.port`).
-        auth_key: when given, clients must prove they know it.
+        auth_key: when given, clients must prove they know it (and the server proves it to them).
         backlog: pending connections the kernel may queue (all ranks connect at once).
+        limits: sizes, connection counts and timeouts (default: `StoreLimits.from_env()`).
 
     Raises:
         RendezvousError: the address cannot be bound (port in use, unknown host).
+        ValueError: a TCOLL_STORE_* variable has a bad value.
     """
 
-    def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, auth_key: bytes | str | None = None, backlog: int = 1024
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, auth_key: bytes | str | None = None,
+                 backlog: int = 1024, limits: StoreLimits | None = None) -> None:
         self.host = host
+        self.limits = limits if limits is not None else StoreLimits.from_env()
         self._auth_key = b"" if auth_key is None else as_bytes(auth_key)
-        self._table = _Table()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when a request finishes
-        self._busy = 0  # requests read and not yet answered
-        self._conns: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
+        self._table = Table(self.limits, self._answer)
+        self._conns: set[_Conn] = set()
+        self._handshakes: dict[_Conn, None] = {}  # oldest first
+        self._authed = 0
+        self._inflight = 0  # bytes reserved by requests being received
+        self._starved: collections.deque[_Conn] = collections.deque()  # waiting for that budget
+        self._timers: list[tuple[float, int, _Conn]] = []
+        self._seq = itertools.count()
+        self._backoff = _BACKOFF[0]
+        self._accept_resume: float | None = None
+        self._scratch = bytearray(64 << 10)
         self._closing = False
-        self._listener = self._bind(host, int(port), backlog)
+        self._listener = bind_listener(host, int(port), backlog)
         self.port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
-        self._handlers: dict[int, Callable[[list[bytes], socket.socket], bytes | None]] = {
-            Op.SET: self._op_set, Op.MGET: self._op_mget, Op.WAIT: self._op_wait, Op.ADD: self._op_add,
-            Op.CAS: self._op_cas, Op.CHECK: self._op_check, Op.DELETE: self._op_delete, Op.NUM_KEYS: self._op_num_keys,
-        }  # fmt: skip
-        self._accepter = threading.Thread(target=self._accept_loop, name=f"tcoll-store-server:{self.port}", daemon=True)
-        self._accepter.start()
-
-    @staticmethod
-    def _bind(host: str, port: int, backlog: int) -> socket.socket:
-        where = f"{host or '*'}:{port}"
-        try:
-            family, kind, proto, _, addr = socket.getaddrinfo(
-                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-        except socket.gaierror as exc:
-            raise RendezvousError(
-                f"cannot host the tcoll store at {where}: unknown host ({exc})", address=f"tcp://{where}"
-            ) from None
-        sock = socket.socket(family, kind, proto)
-        try:
-            # SO_REUSEADDR lets a new job bind while old connections sit in TIME_WAIT;
-            # it does not let two listeners share the port.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(backlog)
-        except OSError as exc:
-            sock.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise RendezvousError(
-                    f"cannot host the tcoll store at {where}: the port is already in use (another job, or a store "
-                    "left running by an earlier one); pick another port, e.g. TCOLL_MASTER=host:PORT or MASTER_PORT",
-                    address=f"tcp://{where}",
-                ) from None
-            raise RendezvousError(f"cannot host the tcoll store at {where}: {exc}", address=f"tcp://{where}") from None
-        return sock
+        self._wake_r.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._thread = threading.Thread(target=self._loop, name=f"tcoll-store-server:{self.port}", daemon=True)
+        self._thread.start()
 
     @property
     def connect_host(self) -> str:
@@ -188,173 +136,348 @@ class TCPStoreServer:
         """The listening address, as tcp://host:port."""
         return format_address(self.host, self.port)
 
-    # -- threads ---------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """What the server holds now: connections (authenticated), handshakes, keys, bytes held and being received."""
+        return {"connections": self._authed, "handshakes": len(self._handshakes), "keys": len(self._table.data),
+                "bytes_held": self._table.held, "bytes_receiving": self._inflight}
 
-    def _accept_loop(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            while not self._closing:
-                selector.select()
-                if self._closing:
-                    return
-                try:
-                    conn, _ = self._listener.accept()
-                except OSError:
-                    continue  # e.g. the client reset before we accepted
-                with self._lock:
-                    if self._closing:
-                        conn.close()
-                        return
-                    self._conns.add(conn)
-                    thread = threading.Thread(
-                        target=self._serve, args=(conn,), name=f"tcoll-store-conn:{self.port}", daemon=True
-                    )
-                    self._threads.add(thread)
-                    thread.start()  # under the lock, so close() never joins an unstarted thread
+    # -- the event loop ------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
-        """Answer one client's requests until it hangs up or the server closes."""
+    def _loop(self) -> None:
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(_HANDSHAKE_TIMEOUT)  # a silent peer must not pin a thread forever
-            if not self._handshake(conn):
-                return
-            conn.settimeout(None)
             while not self._closing:
-                body = recv_frame(conn)
-                if body is None or not self._answer(conn, body):
-                    return
-        except (OSError, ProtocolError, ValueError, IndexError, struct.error):
-            pass  # the client vanished or spoke nonsense: drop this connection only
+                due = [t for t in (self._timers[0][0] if self._timers else None, self._accept_resume) if t is not None]
+                timeout = max(0.0, min(due) - time.monotonic()) if due else None
+                for key, mask in self._sel.select(timeout):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data is _WAKE:
+                        self._wake_r.recv(64)
+                    else:
+                        self._service(key.data, mask)
+                self._expire(time.monotonic())
+            self._drain()
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-                self._threads.discard(threading.current_thread())
-                conn.close()
+            for conn in list(self._conns):
+                self._close(conn)
+            self._sel.close()
 
-    def _answer(self, conn: socket.socket, body: bytes) -> bool:
-        """Handle one request; return False when the connection must be dropped.
-
-        While it runs the request counts as in flight, so that `close()` lets its
-        reply go out: a rank whose wait was satisfied gets its answer even if the
-        host closes the server right after its own wait returned.
-        """
-        with self._lock:
-            self._busy += 1
+    def _service(self, conn: _Conn, mask: int) -> None:
         try:
-            op, fields = decode(body)
-            handler = self._handlers.get(op)
-            if handler is None:
-                raise ProtocolError(f"unknown operation {op}")
-            reply = handler(fields, conn)
-            if reply is None:
-                return False
-            send_frame(conn, reply)
-            return True
-        finally:
-            with self._lock:
-                self._busy -= 1
-                self._idle.notify_all()
+            if mask & selectors.EVENT_WRITE and not conn.closed:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ and not conn.closed and conn.events & selectors.EVENT_READ:
+                self._readable(conn)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except (OSError, *_BAD_REQUEST):
+            self._close(conn)  # the client vanished or spoke nonsense: drop this connection only
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        body = recv_frame(conn)
-        if body is None or decode(body) != (Op.HELLO, [MAGIC]):
-            return False
-        nonce = os.urandom(16)
-        send_frame(conn, encode(OK, nonce))
-        body = recv_frame(conn)
-        if body is None:
-            return False
-        op, fields = decode(body)
-        if op != Op.AUTH or len(fields) != 1:
-            return False
-        if self._auth_key and not hmac.compare_digest(
-            fields[0], hmac.new(self._auth_key, nonce, hashlib.sha256).digest()
-        ):
-            send_frame(conn, encode(ERROR, b"wrong authentication key (check TCOLL_AUTH_KEY)"))
-            return False
-        send_frame(conn, encode(OK))
-        return True
-
-    # -- operations: each takes the request's fields and returns the reply body ------
-
-    def _op_set(self, f: list[bytes], conn: socket.socket) -> bytes:
-        with self._table.lock:
-            self._table.put(f[0], f[1])
-        return encode(OK)
-
-    def _op_mget(self, f: list[bytes], conn: socket.socket) -> bytes | None:
-        return self._wait_keys(f, conn, with_values=True)
-
-    def _op_wait(self, f: list[bytes], conn: socket.socket) -> bytes | None:
-        return self._wait_keys(f, conn, with_values=False)
-
-    def _wait_keys(self, f: list[bytes], conn: socket.socket, with_values: bool) -> bytes | None:
-        """Answer when the keys f[1:] exist (their values, if asked) or after f[0] seconds."""
-        (timeout,) = F64.unpack(f[0])
-        timeout = 0.0 if math.isnan(timeout) else min(max(timeout, 0.0), 1e9)
-        status, result = self._table.wait(f[1:], timeout, lambda: self._closing or _peer_closed(conn))
-        if status == ERROR:
-            return None  # the client is gone or the server is stopping: nobody to answer
-        return encode(status, *(result if with_values or status != OK else []))
-
-    def _op_add(self, f: list[bytes], conn: socket.socket) -> bytes:
-        (amount,) = I64.unpack(f[1])
-        with self._table.lock:
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
             try:
-                value = parse_counter(f[0].decode(errors="replace"), self._table.data.get(f[0])) + amount
-            except ValueError as exc:
-                return encode(ERROR, str(exc).encode())
-            self._table.put(f[0], str(value).encode("ascii"))
-        return encode(OK, I64.pack(value))
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _FD_ERRORS:  # out of descriptors: pause accepting instead of spinning
+                    self._sel.unregister(self._listener)
+                    self._accept_resume = time.monotonic() + self._backoff
+                    self._backoff = min(2 * self._backoff, _BACKOFF[1])
+                    return
+                continue  # e.g. the client reset before we accepted
+            self._backoff = _BACKOFF[0]
+            if len(self._handshakes) >= self.limits.max_handshakes:
+                self._close(next(iter(self._handshakes)))  # the oldest stranger makes room
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                sock.close()
+                continue
+            conn = _Conn(sock, time.monotonic() + self.limits.handshake_timeout)
+            self._conns.add(conn)
+            self._handshakes[conn] = None
+            self._watch(conn, selectors.EVENT_READ)
+            self._timer(conn, conn.deadline)  # type: ignore[arg-type]
 
-    def _op_cas(self, f: list[bytes], conn: socket.socket) -> bytes:
-        with self._table.lock:
-            swap, result = cas_result(self._table.data.get(f[0]), f[1], f[2])
-            if swap:
-                self._table.put(f[0], f[2])
-        return encode(OK, result)
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if conn.closed or events == conn.events:
+            return
+        if not conn.events:
+            self._sel.register(conn.sock, events, conn)
+        elif not events:
+            self._sel.unregister(conn.sock)
+        else:
+            self._sel.modify(conn.sock, events, conn)
+        conn.events = events
 
-    def _op_check(self, f: list[bytes], conn: socket.socket) -> bytes:
-        with self._table.lock:
-            return encode(OK, b"\x01" if all(k in self._table.data for k in f) else b"\x00")
+    # -- timers ----------------------------------------------------------------------------
 
-    def _op_delete(self, f: list[bytes], conn: socket.socket) -> bytes:
-        with self._table.lock:
-            return encode(OK, b"\x01" if self._table.data.pop(f[0], None) is not None else b"\x00")
+    def _timer(self, conn: _Conn, deadline: float | None) -> None:
+        """Set the connection's deadline; the heap gets an entry only when it must fire earlier."""
+        conn.deadline = deadline
+        if deadline is not None and (conn.queued is None or deadline < conn.queued):
+            conn.queued = deadline
+            heapq.heappush(self._timers, (deadline, next(self._seq), conn))
 
-    def _op_num_keys(self, f: list[bytes], conn: socket.socket) -> bytes:
-        with self._table.lock:
-            return encode(OK, I64.pack(len(self._table.data)))
+    def _active(self, conn: _Conn) -> None:
+        """Restart the idle clock of an authenticated connection."""
+        if conn.state in (READY,) and self.limits.idle_timeout:
+            self._timer(conn, time.monotonic() + self.limits.idle_timeout)
 
-    # -- shutdown --------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        if self._accept_resume is not None and now >= self._accept_resume:
+            self._accept_resume = None
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+        while self._timers and self._timers[0][0] <= now:
+            when, _, conn = heapq.heappop(self._timers)
+            if conn.closed or conn.queued != when:
+                continue
+            conn.queued = None
+            if conn.deadline is None:
+                continue
+            if conn.deadline > now:
+                self._timer(conn, conn.deadline)
+                continue
+            conn.deadline = None
+            self._on_deadline(conn)
+
+    def _on_deadline(self, conn: _Conn) -> None:
+        if conn.state == PARKED:
+            conn.state = READY
+            self._reply(conn, self._table.expire(conn))
+        elif conn.state == READY and conn.want:
+            pass  # waiting for budget that other requests hold: our delay, not the client's
+        elif conn.state == READY and not conn.mid_frame() and not conn.out:
+            self._goodbye(conn, f"closed after {self.limits.idle_timeout:g} s without a request; reconnect")
+        else:
+            self._close(conn)  # a handshake out of time, a stalled frame or reader, a lingering goodbye
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _readable(self, conn: _Conn) -> None:
+        sock = conn.sock
+        if conn.state == CLOSING:
+            if not sock.recv_into(self._scratch):  # throw away whatever comes until the client hangs up
+                self._close(conn)
+            return
+        if conn.state == PARKED:  # clients never send while they wait: this is a hang-up or nonsense
+            self._close(conn)
+            return
+        if conn.discard:
+            n = sock.recv_into(self._scratch, min(conn.discard, len(self._scratch)))
+            if not n:
+                return self._close(conn)
+            conn.discard -= n
+            self._active(conn)
+            if not conn.discard:
+                self._reply(conn, encode_parts(LIMIT, (
+                    f"a store request above {self.limits.max_request} bytes (2 x TCOLL_STORE_MAX_VALUE + 1 MiB) "
+                    "was refused; nothing was stored").encode()))
+            return
+        if conn.body is None:
+            data = sock.recv(4 - len(conn.head))
+            if not data:
+                return self._close(conn)
+            conn.head += data
+            if len(conn.head) == 4:
+                (length,) = U32.unpack(conn.head)
+                conn.head = bytearray()
+                self._start_frame(conn, length)
+            return
+        n = sock.recv_into(memoryview(conn.body)[conn.got:], min(len(conn.body) - conn.got, _CHUNK))
+        if not n:
+            return self._close(conn)
+        conn.got += n
+        if conn.got == len(conn.body):
+            body, conn.body = conn.body, None
+            try:
+                self._handle(conn, body)
+            finally:
+                reserved, conn.reserved = conn.reserved, 0
+                self._release(reserved)
+        else:
+            self._active(conn)
+
+    def _start_frame(self, conn: _Conn, length: int) -> None:
+        """Decide, from a length prefix alone, whether and where to read the frame."""
+        if conn.state in (HELLO, AUTH):
+            if not 0 < length <= HANDSHAKE_FRAME:
+                raise ProtocolError(f"handshake frame of {length} bytes")  # nothing allocated for it
+            conn.body, conn.got = bytearray(length), 0
+            return
+        if length == 0:
+            raise ProtocolError("empty frame")
+        if length > self.limits.max_request:
+            conn.discard = length
+            return
+        if self._inflight and self._inflight + length > self.limits.max_bytes:
+            conn.want = length  # wait, without reading, until other requests free the budget
+            self._watch(conn, 0)
+            self._starved.append(conn)
+            return
+        self._inflight += length
+        conn.body, conn.got, conn.reserved = bytearray(length), 0, length
+        self._active(conn)
+
+    def _release(self, length: int) -> None:
+        """Return a request's bytes to the budget and let waiting connections read theirs."""
+        self._inflight -= length
+        while self._starved:
+            conn = self._starved[0]
+            if conn.closed:
+                self._starved.popleft()
+                continue
+            if self._inflight and self._inflight + conn.want > self.limits.max_bytes:
+                return
+            self._starved.popleft()
+            self._inflight += conn.want
+            conn.body, conn.got, conn.reserved, conn.want = bytearray(conn.want), 0, conn.want, 0
+            self._watch(conn, selectors.EVENT_READ)
+            self._active(conn)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, body: bytearray) -> None:
+        op, fields = decode(body)
+        if conn.state == HELLO:
+            return self._hello(conn, op, fields)
+        if conn.state == AUTH:
+            return self._auth(conn, op, fields)
+        reply, wait = self._table.request(conn, op, fields)
+        if reply is not None:
+            self._reply(conn, reply)
+        else:
+            conn.state = PARKED
+            self._timer(conn, time.monotonic() + wait)
+
+    def _answer(self, conn: _Conn, reply: list[bytes]) -> None:
+        """A parked request got its keys."""
+        conn.state = READY
+        self._reply(conn, reply)
+
+    def _hello(self, conn: _Conn, op: int, fields: list[bytes]) -> None:
+        if op != Op.HELLO or len(fields) != 2 or len(fields[1]) != NONCE:
+            if op == Op.HELLO and fields and fields[0].startswith(b"tcoll-store/") and fields[0] != MAGIC:
+                theirs = fields[0].decode(errors="replace")
+                return self._goodbye(conn, f"this store speaks {MAGIC.decode()}, the client {theirs} "
+                                           "(mixed tcoll versions in one job?)", status=ERROR)
+            raise ProtocolError("not a tcoll store client")
+        if fields[0] != MAGIC:
+            raise ProtocolError("not a tcoll store client")
+        conn.peer_nonce, conn.nonce = fields[1], os.urandom(NONCE)
+        conn.state = AUTH
+        self._reply(conn, encode_parts(OK, conn.nonce, proof(self._auth_key, b"S", conn.peer_nonce, conn.nonce)))
+
+    def _auth(self, conn: _Conn, op: int, fields: list[bytes]) -> None:
+        if op != Op.AUTH or len(fields) != 1:
+            raise ProtocolError("expected the client's proof")
+        del self._handshakes[conn]
+        if self._auth_key and not hmac.compare_digest(
+                fields[0], proof(self._auth_key, b"C", conn.nonce, conn.peer_nonce)):
+            return self._goodbye(conn, "wrong authentication key (check TCOLL_AUTH_KEY)", status=ERROR)
+        if self._authed >= self.limits.max_connections:
+            return self._goodbye(conn, f"the store has {self._authed} connections, its limit "
+                                       "(TCOLL_STORE_MAX_CONNECTIONS); retry later")
+        conn.authed, conn.state = True, READY
+        self._authed += 1
+        self._reply(conn, encode_parts(OK))
+
+    def _goodbye(self, conn: _Conn, message: str, status: int = GOODBYE) -> None:
+        """Send a last frame, then close once the client hung up (or after `_LINGER`)."""
+        self._handshakes.pop(conn, None)
+        if conn.authed:
+            conn.authed = False
+            self._authed -= 1
+        conn.state = CLOSING
+        self._timer(conn, time.monotonic() + _LINGER)
+        self._reply(conn, encode_parts(status, message.encode()))
+
+    # -- writing and closing -------------------------------------------------------------
+
+    def _reply(self, conn: _Conn, parts: list[bytes]) -> None:
+        conn.out.extend(memoryview(p) for p in parts)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        """Send what is queued; read again (never while a reply waits) once it is out.
+
+        A connection that fails here is closed here: the caller may be serving another one.
+        """
+        if conn.closed:
+            return
+        try:
+            while conn.out:
+                sent = conn.sock.sendmsg(list(itertools.islice(conn.out, 64)))
+                while sent:
+                    first = conn.out[0]
+                    if sent >= len(first):
+                        sent -= len(first)
+                        conn.out.popleft()
+                    else:
+                        conn.out[0], sent = first[sent:], 0
+            if conn.state == CLOSING:
+                conn.sock.shutdown(socket.SHUT_WR)  # our last word is out; wait for the client to hang up
+        except (BlockingIOError, InterruptedError):
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
+        except OSError:
+            self._close(conn)
+            return
+        self._watch(conn, selectors.EVENT_READ)
+        self._active(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        if conn.state == PARKED:
+            self._table.forget(conn)
+        if conn.authed:
+            self._authed -= 1
+        self._watch(conn, 0)
+        conn.closed = True
+        conn.body = None
+        if conn.reserved:
+            reserved, conn.reserved = conn.reserved, 0
+            self._release(reserved)
+        conn.sock.close()
+        self._conns.discard(conn)
+        self._handshakes.pop(conn, None)
+
+    def _drain(self) -> None:
+        """Stop accepting and let computed replies go out for up to `_DRAIN` seconds (the server is closing)."""
+        if self._accept_resume is None:
+            self._sel.unregister(self._listener)
+        self._listener.close()
+        deadline = time.monotonic() + _DRAIN
+        for conn in list(self._conns):
+            if not conn.out:
+                self._close(conn)
+        while self._conns and time.monotonic() < deadline:
+            for key, mask in self._sel.select(max(0.0, deadline - time.monotonic())):
+                if isinstance(key.data, _Conn):
+                    self._flush(key.data)
+                    if not key.data.out:
+                        self._close(key.data)
+
+    # -- shutdown ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop accepting, drop every connection, join the threads and free the port. Idempotent.
+        """Stop accepting, drop every connection, stop the thread and free the port. Idempotent.
 
-        Requests already read get their answer first (for up to `_DRAIN` seconds);
+        Replies already computed go out first (for up to `_DRAIN` seconds);
         requests still waiting for keys are dropped, and their clients see the
         connection close.
         """
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-        self._table.close()  # waiting requests give up now
-        with self._lock:
-            self._idle.wait_for(lambda: self._busy == 0, timeout=_DRAIN)
-            for conn in self._conns:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)  # wakes the connection's blocked recv
-                except OSError:
-                    pass
-        self._wake_w.send(b"x")
-        self._accepter.join(10)
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(10)
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(_DRAIN + 10)
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
 

@@ -33,7 +33,6 @@ C++ allreduce hook.
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,12 +40,12 @@ import torch
 import torch.distributed as dist
 
 from ..comm.communicator import Communicator
+from ..comm.pairs import ANY_SOURCE
 from ..env import Settings
 from ..errors import TcollError
 from ..store.torch_store import TorchStore
 from . import worlds
-from .anysource import AnySource
-from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, copy_message, fill, finisher, np_bytes, np_view,
+from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, fill, finisher, np_bytes, np_view,
                       pieces, reduce_source, reduce_target, row_bytes)
 from .work import Finish, TcollWork, chain, each, result_of, seconds
 
@@ -88,7 +87,6 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._sequence = 0
-        self._stash: dict[tuple[int, int], deque[torch.Tensor]] = {}  # receives of recv_anysource that lost
         self._chain_tag = 0  # reduce calls so far (their tags, above the users' tags)
         self._chunk = Settings.from_env().coll_chunk  # bytes per message of the reduce chain
 
@@ -472,21 +470,21 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TcollWork:
         out = Contiguous(tensors[0], copy_in=False)
-        stashed = self._stash.get((int(src), int(tag)))
-        if stashed:
-            data = stashed.popleft()
-            return self._p2p([tensors[0]], [], lambda: copy_message(out, data), source=int(src))
         work = self.comm.irecv(np_bytes(out.work), int(src), int(tag))
         return self._p2p([tensors[0]], [work], out.back, source=int(src))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TcollWork:
-        """Receive from whichever rank's message (with this tag) comes first.
+        """Receive from whichever rank's message (with this tag) comes first: a tcoll ANY_SOURCE receive."""
+        out = Contiguous(tensors[0], copy_in=False)
+        work = self.comm.irecv(np_bytes(out.work), ANY_SOURCE, int(tag))
+        result = self._p2p([tensors[0]], [work], None)
 
-        tcoll has no any-source receive, so one receive is posted per peer; the
-        first to complete wins, the others are withdrawn, and a message that
-        already matched one of them is kept for the next receive from its rank.
-        """
-        return AnySource(self, tensors[0], int(tag)).work()
+        def finish() -> None:
+            result._source = work.source
+            out.back()
+
+        result._finish = finish
+        return result
 
     def _p2p(self, outputs: list[torch.Tensor], pending: list[Any], finish: Finish | None,
              source: int = -1) -> TcollWork:

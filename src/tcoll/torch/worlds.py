@@ -25,8 +25,10 @@ from collections.abc import Sequence
 
 from ..comm.communicator import Communicator
 from ..env import Settings
-from ..store.base import Store
+from ..startup import keys
 from ..startup.init import connect
+from ..store.base import Store
+from ..store.signed import SignedStore
 
 __all__ = ["open_world", "open_group", "current_world", "forget_world"]
 
@@ -69,8 +71,11 @@ def open_world(store: Store, rank: int, size: int, timeout: float, master_host: 
     Raises:
         tcoll.RendezvousError: the ranks did not all arrive in time.
     """
-    settings = Settings.from_env(timeout=timeout)
-    comm = connect(store, rank, size, settings, _agree_run_id(store, rank, timeout), master_host)
+    run_id = _agree_run_id(store, rank, timeout)
+    # torch's store checks no key: what the ranks read from it must carry the job's signature.
+    key = keys.job_key(run_id, "torch")
+    settings = Settings.from_env(timeout=timeout, auth_key=key)
+    comm = connect(SignedStore(store, key) if key else store, rank, size, settings, run_id, master_host)
     comm.timeout = timeout
     if default:
         global _world
@@ -117,6 +122,7 @@ def open_group(store: Store, rank: int, size: int, global_ranks: Sequence[int], 
     if world is None or len(ranks) != size or not all(0 <= r < world.size for r in ranks) or \
             ranks[rank] != world.rank:
         return open_world(store, rank, size, timeout, master_host, default=False)
-    comm = world.create_group(ranks, store, timeout)
+    key = keys.job_key(world.run_id, "torch")
+    comm = world.create_group(ranks, SignedStore(store, key) if key else store, timeout)
     comm.timeout = timeout
     return comm

@@ -10,6 +10,7 @@ assigned to it; `close()` frees everything.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class Transport(abc.ABC):
         self.settings = settings
         self.run_id = run_id
         self.master_host = master_host
+        # Called now and then while `connect` waits for peers: raises if one of them died.
+        self.peer_check: Callable[[], None] = _nothing_to_check
 
     @classmethod
     def available(cls) -> bool:
@@ -72,3 +75,7 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Free the transport's resources (channels are closed by the engine first)."""
+
+
+def _nothing_to_check() -> None:
+    """The default `Transport.peer_check`: no peer is known to have died."""

@@ -31,7 +31,7 @@ import selectors
 import socket
 import struct
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from ..errors import TimeoutError, TransportError
@@ -182,8 +182,8 @@ class _Rendezvous:
         self.done: dict[int, socket.socket] = {}
         self.sel = selectors.DefaultSelector()
 
-    def run(self, timeout: float) -> dict[int, socket.socket]:
-        """Drive every dial and accept until all peers are connected.
+    def run(self, timeout: float, check: Callable[[], None] | None = None) -> dict[int, socket.socket]:
+        """Drive every dial and accept until all peers are connected, calling `check` every 0.25 s.
 
         Raises:
             TimeoutError: some peers did not connect in time (named, with addresses).
@@ -192,14 +192,18 @@ class _Rendezvous:
         deadline = time.monotonic() + timeout
         if self.expected:
             self.sel.register(self.listener, selectors.EVENT_READ, None)
+        next_check = time.monotonic()
         while len(self.done) < len(self.wanted):
             now = time.monotonic()
+            if check is not None and now >= next_check:
+                check()
+                next_check = now + 0.25
             for peer, when in list(self.to_dial.items()):
                 if when <= now:
                     self._dial(peer)
             if now >= deadline:
                 raise self._timeout_error(timeout)
-            wake = min([deadline, *self.to_dial.values()])
+            wake = min([deadline, next_check, *self.to_dial.values()])
             for key, mask in self.sel.select(max(0.0, wake - now)):
                 if key.data is None:
                     self._accept()
@@ -382,7 +386,7 @@ class _Rendezvous:
 
 
 def connect_all(me: int, peers: list[int], cards: list[dict[str, Any]], listener: socket.socket, run_id: str,
-                auth_key: str, timeout: float) -> dict[int, socket.socket]:
+                auth_key: str, timeout: float, check: Callable[[], None] | None = None) -> dict[int, socket.socket]:
     """Connect this rank to every peer: dial the lower ranks, accept the higher ones.
 
     Args:
@@ -393,6 +397,7 @@ def connect_all(me: int, peers: list[int], cards: list[dict[str, Any]], listener
         run_id: the job's id; connections from other jobs are refused.
         auth_key: the shared secret ("" for none).
         timeout: seconds for the whole set-up.
+        check: called about every 0.25 s while waiting; raises if a peer is known to have died.
 
     Returns:
         A handshaken, tuned, non-blocking socket per peer.
@@ -403,7 +408,7 @@ def connect_all(me: int, peers: list[int], cards: list[dict[str, Any]], listener
     """
     rendezvous = _Rendezvous(me, peers, cards, listener, run_id, auth_key)
     try:
-        links = rendezvous.run(timeout)
+        links = rendezvous.run(timeout, check)
     except BaseException:
         for sock in rendezvous.done.values():
             sock.close()

@@ -1,0 +1,1 @@
+"""Seeing what runs: pictures of algorithms' schedules (`tcoll trace`, matplotlib) from tcoll.algos.record."""

@@ -1,0 +1,60 @@
+"""kill -9 leaves nothing of the job in /dev/shm, without `tcoll run` or `tcoll.spawn` to sweep after it."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.procs import run_ranks, shm_segments
+
+from tcoll.errors import TransportError
+
+
+# Both ranks lend zero-copy buffers to a direct all_reduce (so each maps the other's), then die by SIGKILL.
+_JOB = """
+    import os, signal, sys
+    import numpy as np
+    import tcoll
+    comm = tcoll.init(timeout=30)
+    x = comm.empty(1 << 16, dtype=np.float64)
+    x[:] = comm.rank + 1
+    comm.all_reduce(x, algorithm="shm")
+    assert np.all(x == comm.size * (comm.size + 1) / 2)
+    open(f"ready.{comm.rank}", "w").write("1")
+    comm.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_kill9_of_every_rank_holding_zero_copy_buffers_leaves_nothing(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(textwrap.dedent(_JOB))
+    run_id = f"leftovers{os.getpid()}"
+    codes = run_ranks(tmp_path, ["job.py"], 2, run_id)
+    assert codes == [-signal.SIGKILL] * 2
+    assert all((tmp_path / f"ready.{rank}").exists() for rank in range(2))
+    assert shm_segments(run_id) == []
+
+
+def test_zero_copy_buffers_are_memory_files_not_dev_shm_files() -> None:
+    from tcoll.shm.heap import Heap
+
+    heap = Heap("memfdtest", 0)
+    arr = heap.allocate(4096)
+    arr[:] = 7
+    heap_id, offset, nbytes = heap.locate(arr[8:16])  # type: ignore[misc]
+    assert (offset, nbytes) == (8, 8) and heap_id >> 40 == os.getpid()
+    assert shm_segments("memfdtest") == []
+    reader = Heap("memfdtest", 1)
+    assert np.array_equal(reader.view(0, heap_id, 0, 4096), arr)  # found through /proc/<pid>/fd
+    reader.close()
+    del arr
+    gc.collect()
+    with pytest.raises(TransportError, match="cannot be mapped"):
+        Heap("memfdtest", 1).view(0, heap_id, 0, 8)  # freed with its array
+    heap.close()
