@@ -56,7 +56,8 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
     """
     settings = Settings.from_env(timeout=timeout, transport=transport, **knobs)
     own_store = store is None
-    if store is None and rank is None and wants_mpi_meeting(settings, init_method):
+    met_through_mpi = own_store and rank is None and wants_mpi_meeting(settings, init_method)
+    if met_through_mpi:
         store, rank, size, mpi_run_id = meet_through_mpi(settings)  # under mpiexec: no address needed
         run_id = run_id or mpi_run_id
     if store is not None:
@@ -70,7 +71,7 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
     # A world of one rank needs no key of its own (nor the user's secret), but may meet a launcher's store.
     key = keys.job_key(run_id, info.master) if info.size > 1 else info.auth_key
     settings = dataclasses.replace(settings, auth_key=key)
-    if own_store:
+    if own_store and not met_through_mpi:
         store = rendezvous.open_store(dataclasses.replace(info, auth_key=key), init_method, settings.timeout)
         master_host = info.master_addr or None
     assert store is not None
