@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["Settings", "parse_size", "read_variables", "TRANSPORT_CHOICES"]
 
-TRANSPORT_CHOICES = ("auto", "shm", "tcp")
+TRANSPORT_CHOICES = ("auto", "shm", "tcp", "mpi")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
 _SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk", "shm_slot")
@@ -73,7 +73,9 @@ class Settings:
 
     Attributes:
         timeout: seconds any blocking wait may take before `tcoll.TimeoutError` (TCOLL_TIMEOUT).
-        transport: "auto" (shm between ranks of one host, else tcp), "shm" or "tcp" (TCOLL_TRANSPORT).
+        transport: "auto" (shm between ranks of one host, else tcp), "shm", "tcp" or "mpi" (TCOLL_TRANSPORT).
+        interhost: what carries pairs of ranks on different hosts when transport is "auto":
+            "tcp" (default) or "mpi" (TCOLL_INTERHOST).
         shm_ring: bytes of each shared-memory channel ring, per ordered pair of ranks; 0 sizes
             it from the number of ranks on the host (TCOLL_SHM_RING).
         shm_chunk: most bytes moved by one copy step through a ring; smaller chunks
@@ -89,6 +91,8 @@ class Settings:
         liveness_interval: seconds between checks that blocked-on peers still live (TCOLL_LIVENESS).
         tcp_addr: address to advertise for TCP connections; empty: found from the route
             to the master (TCOLL_TCP_ADDR).
+        socket_ifname: interfaces TCP may use, as NCCL_SOCKET_IFNAME spells them: "eth0",
+            "=eth0" (exact), "^lo,docker0" (excluded) (TCOLL_SOCKET_IFNAME).
         algorithms: forced algorithm choices for algorithm="auto", e.g.
             "all_reduce=ring,broadcast=chain" (TCOLL_ALGO).
         coll_chunk: bytes per message of the pipelined collective algorithms (ring,
@@ -101,6 +105,7 @@ class Settings:
 
     timeout: float = 300.0
     transport: str = "auto"
+    interhost: str = "tcp"
     shm_ring: int = 0
     shm_chunk: int = 512 << 10
     eager_limit: int = 64 << 10
@@ -109,6 +114,7 @@ class Settings:
     bind: str = "auto"
     liveness_interval: float = 1.0
     tcp_addr: str = ""
+    socket_ifname: str = ""
     auth_key: str = ""
     coll_chunk: int = 1 << 20
     shm_slot: int = 1 << 20
@@ -117,6 +123,7 @@ class Settings:
     _ENV = {
         "timeout": ("TCOLL_TIMEOUT", float),
         "transport": ("TCOLL_TRANSPORT", str),
+        "interhost": ("TCOLL_INTERHOST", str),
         "shm_ring": ("TCOLL_SHM_RING", parse_size),
         "shm_chunk": ("TCOLL_SHM_CHUNK", parse_size),
         "eager_limit": ("TCOLL_EAGER_LIMIT", parse_size),
@@ -125,6 +132,7 @@ class Settings:
         "bind": ("TCOLL_BIND", str),
         "liveness_interval": ("TCOLL_LIVENESS", float),
         "tcp_addr": ("TCOLL_TCP_ADDR", str),
+        "socket_ifname": ("TCOLL_SOCKET_IFNAME", str),
         "auth_key": ("TCOLL_AUTH_KEY", str),
         "coll_chunk": ("TCOLL_COLL_CHUNK", parse_size),
         "shm_slot": ("TCOLL_SHM_SLOT", parse_size),
@@ -173,6 +181,8 @@ class Settings:
         Raises:
             ValueError: naming the bad field.
         """
+        if self.interhost not in ("tcp", "mpi"):
+            raise ValueError(f"interhost must be 'tcp' or 'mpi', not {self.interhost!r}")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, not {self.transport!r}")
         if self.timeout <= 0:

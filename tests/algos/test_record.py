@@ -10,8 +10,9 @@ from tcoll.algos.record import record
 from tcoll.algos.registry import REGISTRY
 from tcoll.algos.traffic import traffic
 
+# The hierarchical algorithms are steps of these on sub-teams inside and between hosts (tests/algos/test_hierarchy.py).
 TEAM_ALGORITHMS = [(collective, name) for collective, infos in REGISTRY.items()
-                   for name, info in infos.items() if not info.direct]
+                   for name, info in infos.items() if not info.direct and not info.hierarchical]
 SIZES = [*range(1, 33), 37, 48, 63, 64]  # every size to 32, then odd, even and the ends up to 64 (fast)
 PIPELINED = {("all_reduce", "ring"), ("reduce_scatter", "ring"), ("all_gather", "ring"),
              ("broadcast", "scatter_allgather"), ("broadcast", "chain")}

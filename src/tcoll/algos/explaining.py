@@ -35,6 +35,10 @@ def _why(options: list[tuple[float, AlgorithmInfo]], costs: Costs, nbytes: int, 
     if len(options) == 1:
         return f"why: {best.name} is the only algorithm that can run this call."
     runner_time, runner = options[1]
+    if best.hierarchical or runner.hierarchical:  # priced per link, step by step (shown below the table)
+        share = f"{seconds / runner_time:.0%} of the time" if runner_time else "the time"
+        return (f"why: {best.name} takes {share} of the next best, {runner.name}, with the network "
+                "and shared memory each priced for the steps that use them.")
     latency = [info.cost(Costs(costs.alpha, 0.0, 0.0), nbytes, size) for info in (best, runner)]
     volume = [total - lat for total, lat in zip((seconds, runner_time), latency)]
     mine = traffic(best.collective, best.name, nbytes, size)

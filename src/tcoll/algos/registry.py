@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AlgorithmInfo", "Costs", "algorithm", "REGISTRY", "COLLECTIVES", "lookup", "names"]
+__all__ = ["AlgorithmInfo", "Costs", "Topology", "algorithm", "REGISTRY", "COLLECTIVES", "lookup", "names"]
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
                "reduce_scatter", "all_to_all", "barrier", "scan", "exscan", "all_to_allv")
@@ -60,7 +60,24 @@ class Costs:
     gamma: float
 
 
-CostFn = Callable[[Costs, int, int], float]  # (costs, nbytes, size) -> seconds
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A job over several hosts, as the cost model sees it: two kinds of link.
+
+    Attributes:
+        hosts: the number of hosts.
+        per_host: ranks on each host (the most on any one).
+        intra: the link between ranks of one host (shared memory).
+        inter: the link between hosts (the network).
+    """
+
+    hosts: int
+    per_host: int
+    intra: Costs
+    inter: Costs
+
+
+CostFn = Callable[..., float]  # (costs, nbytes, size) -> seconds; hierarchical: (topology, nbytes) -> seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +94,8 @@ class AlgorithmInfo:
         uneven: works when ranks' counts differ.
         summary: one line for `tcoll.explain` and the docs.
         direct: runs through a shared-memory arena, not a Team (see the module docstring).
+        hierarchical: composed of collectives inside hosts and between them (tcoll.algos.hierarchy);
+            its cost is cost(topology, nbytes), and it competes only across several hosts.
     """
 
     collective: str
@@ -87,13 +106,14 @@ class AlgorithmInfo:
     uneven: bool
     summary: str
     direct: bool = False
+    hierarchical: bool = False
 
 
 REGISTRY: dict[str, dict[str, AlgorithmInfo]] = {name: {} for name in COLLECTIVES}
 
 
 def algorithm(collective: str, name: str, *, cost: CostFn, ordered: bool = True, uneven: bool = True,
-              direct: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+              direct: bool = False, hierarchical: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as `name` for `collective` (a generator unless `direct`)."""
     if collective not in REGISTRY:
         raise ValueError(f"unknown collective {collective!r}")
@@ -102,7 +122,8 @@ def algorithm(collective: str, name: str, *, cost: CostFn, ordered: bool = True,
         if name in REGISTRY[collective]:
             raise ValueError(f"{collective} algorithm {name!r} registered twice")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else name
-        REGISTRY[collective][name] = AlgorithmInfo(collective, name, fn, cost, ordered, uneven, summary, direct)
+        REGISTRY[collective][name] = AlgorithmInfo(collective, name, fn, cost, ordered, uneven, summary, direct,
+                                                       hierarchical)
         return fn
 
     return register

@@ -16,10 +16,11 @@ direct algorithms (`tcoll.shm`). All were fitted to `tcoll bench` runs on a
 from __future__ import annotations
 
 from ..env import parse_size
-from .explaining import describe_choice
-from .registry import REGISTRY, AlgorithmInfo, Costs
+from .explaining import describe_choice, format_seconds
+from .registry import REGISTRY, AlgorithmInfo, Costs, Topology
 
-__all__ = ["choose", "explain", "ranked", "eligible", "COSTS", "ARENA_SYNC", "ARENA_COPY", "ARENA_REDUCE"]
+__all__ = ["choose", "explain", "ranked", "eligible", "best_flat", "Costs", "Topology", "COSTS", "ARENA_SYNC",
+           "ARENA_COPY", "ARENA_REDUCE"]
 
 # Per-message and per-byte costs of point-to-point over each transport
 # (`tcoll bench p2p`); gamma is NumPy's in-place add over data fresh in cache.
@@ -27,7 +28,12 @@ COSTS = {
     "shm": Costs(alpha=12e-6, beta=1 / 8e9, gamma=1 / 6e9),
     "tcp": Costs(alpha=40e-6, beta=1 / 4e9, gamma=1 / 6e9),
     "loopback": Costs(alpha=8e-6, beta=1 / 8e9, gamma=1 / 6e9),
+    # Not measured here (this machine has no fabric): a 100 Gb/s InfiniBand or EFA link reached through
+    # mpi4py, whose Python call overhead (~25 us per message) dominates the fabric's ~2 us.
+    "mpi": Costs(alpha=25e-6, beta=1 / 12e9, gamma=1 / 6e9),
 }
+
+_BOUNDARY_ONCE = ("ring", "chain")  # flat algorithms whose traffic crosses a host boundary once per step
 
 # The shared-memory arena (`tcoll bench all_reduce`, ..., with algorithm shm):
 ARENA_SYNC = 2e-6  # seconds per step: a counter in shared memory seen by a polling rank, plus Python
@@ -47,15 +53,38 @@ def eligible(collective: str, *, ordered: bool = False, uneven: bool = False,
 
 
 def ranked(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bool = False,
-           uneven: bool = False, direct: bool = False) -> list[tuple[float, AlgorithmInfo]]:
-    """Every eligible algorithm with its modelled time, cheapest first (ties: registration order)."""
+           uneven: bool = False, direct: bool = False,
+           topology: Topology | None = None) -> list[tuple[float, AlgorithmInfo]]:
+    """Every eligible algorithm with its modelled time, cheapest first (ties: registration order).
+
+    Args:
+        topology: the hosts of a job over several (None: one host); flat algorithms are costed with
+            `costs` (the slowest link), hierarchical ones with both kinds of link, and only then compete.
+    """
     candidates = eligible(collective, ordered=ordered, uneven=uneven, direct=direct)
-    timed = [(info.cost(costs, nbytes, size), index, info) for index, info in enumerate(candidates)]
+    timed = []
+    shared = costs
+    if topology is not None and topology.hosts > 1 and topology.per_host > 1:
+        # A host's ranks share its network link: a flat algorithm whose ranks all talk across hosts at
+        # once gets 1/per_host of it each. A ring or chain over ranks numbered host by host crosses
+        # each host boundary with one block per step, so it keeps the whole link.
+        shared = Costs(costs.alpha, costs.beta * topology.per_host, costs.gamma)
+    for index, info in enumerate(candidates):
+        if not info.hierarchical:
+            link = costs if info.name in _BOUNDARY_ONCE else shared
+            timed.append((info.cost(link, nbytes, size), index, info))
+        elif topology is not None and topology.hosts > 1 and topology.per_host > 1:
+            timed.append((info.cost(topology, nbytes), index, info))
     return [(seconds, info) for seconds, _, info in sorted(timed, key=lambda item: item[:2])]
 
 
+def best_flat(collective: str, costs: Costs, nbytes: int, size: int) -> tuple[float, AlgorithmInfo]:
+    """The cheapest algorithm over point-to-point on one kind of link (for the steps of a hierarchy)."""
+    return ranked(collective, nbytes, size, costs, ordered=False, uneven=True)[0]
+
+
 def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bool = False,
-           uneven: bool = False, direct: bool = False) -> AlgorithmInfo:
+           uneven: bool = False, direct: bool = False, topology: Topology | None = None) -> AlgorithmInfo:
     """The cheapest eligible algorithm for this call.
 
     Args:
@@ -66,41 +95,59 @@ def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bo
         ordered: the reduce op is not commutative.
         uneven: ranks' counts differ.
         direct: shared-memory direct algorithms may run.
+        topology: the hosts of a job over several (None: one host).
 
     Raises:
         ValueError: no algorithm is eligible.
     """
-    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct)
+    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct,
+                     topology=topology)
     if not options:
         raise ValueError(f"no {collective} algorithm supports this call (ordered={ordered}, uneven={uneven})")
     return options[0][1]
 
 
-def explain(collective: str, nbytes: int | str, size: int, transport: str = "shm", *, ordered: bool = False,
-            uneven: bool = False, blocking: bool = True, hosts: int = 1) -> str:
+def explain(collective: str, nbytes: int | str, size: int | None = None, transport: str = "shm", *,
+            ordered: bool = False, uneven: bool = False, blocking: bool = True, hosts: int = 1,
+            ranks_per_host: int | None = None) -> str:
     """A table of each eligible algorithm's modelled time, messages and bytes, the choice, and why.
 
     Args:
         collective: e.g. "all_reduce".
         nbytes: bytes of one rank's input (an int, or text such as "64MiB" or "1G").
-        size: ranks in the communicator.
-        transport: whose costs to use: "shm", "tcp" or "loopback".
+        size: ranks in the communicator (default: hosts * ranks_per_host).
+        transport: whose costs to use: "shm", "tcp" or "loopback"; across hosts, the link between
+            them ("tcp" unless "mpi" is named).
         ordered: the reduce op is not commutative.
         uneven: ranks' counts differ.
         blocking: a blocking call (async_op=False): on one host ("shm") the
             shared-memory direct algorithms compete too.
-        hosts: hosts the ranks span; above 1 the ranks talk over tcp and the
-            direct algorithms cannot run.
+        hosts: hosts the ranks span; above 1 the direct algorithms cannot run, the hierarchical
+            ones compete (shm inside hosts, the network between them) and the chosen one's steps
+            are shown with their predicted times.
+        ranks_per_host: ranks on each host (default: size / hosts, else 1).
 
     Returns:
         Text: a header, one line per algorithm (the chosen one marked with "*"; messages
-        and bytes are those of the rank that sends most, "-" for the direct ones, which
-        send no messages), and a line saying why.
+        and bytes are those of the rank that sends most, "-" for the direct and hierarchical
+        ones), and a line saying why.
     """
     nbytes = parse_size(nbytes)
+    per_host = ranks_per_host or max(1, (size or hosts) // hosts)
+    size = hosts * per_host if size is None else size
+    topology = None
     if hosts > 1:
-        transport = "tcp"
+        transport = transport if transport == "mpi" else "tcp"
+        topology = Topology(hosts, per_host, COSTS["shm"], COSTS[transport])
     costs = COSTS[transport]
     direct = blocking and hosts == 1 and transport in ("shm", "loopback")
-    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct)
-    return describe_choice(collective, nbytes, size, transport, costs, options, hosts)
+    options = ranked(collective, nbytes, size, costs, ordered=ordered, uneven=uneven, direct=direct,
+                     topology=topology)
+    lines = [describe_choice(collective, nbytes, size, transport, costs, options, hosts)]
+    if topology is not None and options[0][1].hierarchical:
+        seconds, best = options[0]
+        lines.append(f"chosen hierarchy ({best.name}, {hosts} hosts x {per_host} ranks), predicted "
+                     f"{format_seconds(seconds)}:")
+        lines += [f"    {step:<64} {format_seconds(took):>10}"
+                  for step, took in best.cost.plan(topology, nbytes)]  # type: ignore[attr-defined]
+    return "\n".join(lines)

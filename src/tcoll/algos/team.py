@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import MismatchError
 from ..p2p.engine import Engine
+from ..p2p.hosts import HostMap
 from ..p2p.watch import BLOCK_BITS
 from ..p2p.work import RecvWork, Work
 from .stamps import disagreement
@@ -82,6 +83,22 @@ class Team:
         other._tag += offset
         other._receives = self._receives
         return other
+
+    def sub(self, members: list[int], index: int) -> Team:
+        """A Team of some of this Team's ranks (`members`, this rank among them) on phase `index`.
+
+        The steps of a hierarchical algorithm (inside a host, between hosts) run on sub-Teams;
+        each step on its own phase, so their messages never meet. Receives are withdrawn with the call's.
+        """
+        other = self.phase(index)
+        other._world = [self._world[m] for m in members]
+        other.rank = members.index(self.rank)
+        other.size = len(members)
+        return other
+
+    def hosts(self) -> HostMap:
+        """Which of this Team's ranks share a host (in Team rank numbering)."""
+        return self._engine.hosts.restrict(self._world)
 
     def withdraw(self) -> None:
         """Cancel the call's receives that no message matched yet, and drop its late messages.

@@ -2,7 +2,7 @@
 
     tcoll bench p2p [-b 8] [-e 256M] [-f 4] [--transports shm,tcp]
     tcoll bench all_reduce -n 4 -b 8 -e 256M -f 4 [-d float32] [-o sum] [--check]
-        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi] [--load K] [--persistent]
+        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi,tcoll-mpi] [--load K] [--persistent]
         [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
 """
 
@@ -58,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--warmup", type=int,
                        help="warm-up calls per size, at least 1 (the first shows whether a call can run; "
                             "default: adaptive, 2..20)")
-    group.add_argument("--compare", default="", metavar="gloo,mpi",
-                       help="also measure torch.distributed gloo and/or mpi4py (MPICH)")
+    group.add_argument("--compare", default="", metavar="gloo,mpi,tcoll-mpi",
+                       help="also measure torch.distributed gloo, mpi4py (MPICH), and/or tcoll over its MPI engine")
     group.add_argument("--load", type=int, default=0, metavar="K",
                        help="run K busy processes during the whole measurement")
     group.add_argument("--plot", metavar="FILE.png", help="plot busbw and time vs size (needs matplotlib)")

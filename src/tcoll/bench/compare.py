@@ -3,6 +3,8 @@
 Each runs the same plan as tcoll (`runner.sweep`) in its own processes:
 gloo as n `python -m tcoll.bench.gloo_worker` subprocesses meeting at
 127.0.0.1 on a free port; MPI as `mpiexec -n N python -m tcoll.bench.mpi_worker`.
+tcoll itself over its MPI engine ("tcoll-mpi") as `mpiexec -n N python -m
+tcoll.bench.tcoll_mpi_worker` with TCOLL_TRANSPORT=mpi.
 The plan goes in a JSON file; rank 0 writes its rows to another.
 A target that is not installed is skipped with a note, never an error.
 """
@@ -25,9 +27,9 @@ from typing import Any
 
 from . import BenchError
 
-__all__ = ["TARGETS", "missing", "mpiexec", "run_gloo", "run_mpi", "versions"]
+__all__ = ["TARGETS", "missing", "mpiexec", "run_gloo", "run_mpi", "run_tcoll_mpi", "versions"]
 
-TARGETS = ("gloo", "mpi")
+TARGETS = ("gloo", "mpi", "tcoll-mpi")
 _HINT = "pip install tcoll[compare]"
 
 
@@ -45,7 +47,7 @@ def missing(target: str) -> str | None:
         if importlib.util.find_spec("torch") is None:
             return f"torch is not installed ({_HINT})"
         return None
-    if target == "mpi":
+    if target in ("mpi", "tcoll-mpi"):
         if importlib.util.find_spec("mpi4py") is None:
             return f"mpi4py is not installed ({_HINT})"
         if mpiexec() is None:
@@ -68,7 +70,7 @@ def versions(targets: list[str]) -> dict[str, str]:
     found = {"tcoll": __version__}
     if "gloo" in targets:
         found["torch"] = _version("torch") or "?"
-    if "mpi" in targets:
+    if "mpi" in targets or "tcoll-mpi" in targets:
         found["mpi4py"] = _version("mpi4py") or "?"
         mpich = _version("mpich")
         found["mpi library"] = f"MPICH {mpich} (PyPI)" if mpich else "the MPI library mpi4py finds"
@@ -174,3 +176,14 @@ def run_mpi(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
         raise BenchError("mpi: no mpiexec found")
     command = [launcher, "-n", str(n), sys.executable, "-m", "tcoll.bench.mpi_worker"]
     return _launch("mpi", [(command, _env())], plan, timeout)
+
+
+def run_tcoll_mpi(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Sweep the plan with tcoll's collectives over its MPI engine on `mpiexec -n N` processes."""
+    launcher = mpiexec()
+    if launcher is None:
+        raise BenchError("tcoll-mpi: no mpiexec found")
+    env = {k: v for k, v in _env().items() if k not in ("TCOLL_MASTER", "MASTER_ADDR", "TCOLL_RANK", "TCOLL_SIZE")}
+    env["TCOLL_TRANSPORT"] = "mpi"
+    command = [launcher, "-n", str(n), sys.executable, "-m", "tcoll.bench.tcoll_mpi_worker"]
+    return _launch("tcoll-mpi", [(command, env)], plan, timeout)

@@ -110,6 +110,8 @@ def tcoll_algorithms(case: str, algorithm: str) -> list[str]:
 
 def make_jobs(config: BenchConfig, impl: str) -> list[dict[str, Any]]:
     """The jobs of one implementation: tcoll has one per case, algorithm and buffer kind."""
+    if impl == "tcoll-mpi":  # tcoll's own choice of algorithm, every message over MPI
+        return [{"case": case, "label": impl, "algorithm": "auto", "buffers": "plain"} for case in config.cases]
     if impl != "tcoll":
         return [{"case": case, "label": impl, "algorithm": impl, "buffers": "plain"} for case in config.cases]
     jobs = []
@@ -377,9 +379,9 @@ class LoadGenerator:
 
 
 def _runners() -> dict[str, Callable[[int, dict[str, Any], float], dict[str, Any]]]:
-    from .compare import run_gloo, run_mpi
+    from .compare import run_gloo, run_mpi, run_tcoll_mpi
 
-    return {"tcoll": run_tcoll, "gloo": run_gloo, "mpi": run_mpi}
+    return {"tcoll": run_tcoll, "gloo": run_gloo, "mpi": run_mpi, "tcoll-mpi": run_tcoll_mpi}
 
 
 def run_bench(config: BenchConfig, progress: Any = None,

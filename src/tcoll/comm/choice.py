@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..algos import select
+from ..algos import hierarchy, select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..ops import Op
 from ..p2p.engine import Engine
@@ -33,6 +33,7 @@ class Chooser:
         self._choices: dict[tuple[Any, ...], AlgorithmInfo] = {}
         self._direct_ok: bool | None = None
         self._costs: select.Costs | None = None
+        self._topology: select.Topology | None | bool = False  # False: not found yet
 
     def forced(self, collective: str) -> str | None:
         """The algorithm TCOLL_ALGO forces for `collective`, if any."""
@@ -61,21 +62,26 @@ class Chooser:
                     raise ValueError(f"{collective} algorithm 'shm': items of {itemsize} B do not fit the "
                                      f"shared-memory slot of {self.size} ranks; raise TCOLL_SHM_SLOT")
                 direct = False
-            info = self._resolve(collective, algorithm, nbytes, ordered, uneven, direct, blocking)
+            info = self.resolve(collective, algorithm, nbytes, ordered, uneven, direct, blocking)
             if len(self._choices) >= 4096:
                 self._choices.clear()
             self._choices[key] = info
         return info
 
-    def _resolve(self, collective: str, algorithm: str, nbytes: int, ordered: bool, uneven: bool, direct: bool,
-                 blocking: bool) -> AlgorithmInfo:
+    def resolve(self, collective: str, algorithm: str, nbytes: int, ordered: bool, uneven: bool, direct: bool,
+                blocking: bool) -> AlgorithmInfo:
+        """The algorithm for a call whose kind is known (no cache): `algorithm` checked, or auto's choice.
+
+        Raises:
+            ValueError: an unknown algorithm, or one that cannot run this call.
+        """
         if algorithm == "auto":
             forced = self._forced.get(collective, "auto")
             if forced != "auto" and _can_run(lookup(collective, forced), ordered, uneven, direct):
                 algorithm = forced  # else auto: a forced algorithm that cannot run this call falls back
         if algorithm == "auto":
             return select.choose(collective, nbytes, self.size, self.costs(), ordered=ordered, uneven=uneven,
-                                 direct=direct)
+                                 direct=direct, topology=self.topology())
         if not isinstance(algorithm, str):
             raise TypeError(f"algorithm must be a name, not {type(algorithm).__name__}")
         info = lookup(collective, algorithm)
@@ -91,8 +97,17 @@ class Chooser:
             raise ValueError(f"{collective} algorithm {algorithm!r} cannot run this call: {why}")
         return info
 
+    def topology(self) -> select.Topology | None:
+        """The hosts of this communicator as the cost model sees them (None: one host; found once)."""
+        if self._topology is False:
+            self._topology = hierarchy.world_topology(self.engine, self.world)
+        return self._topology  # type: ignore[return-value]
+
     def costs(self) -> select.Costs:
         """The cost model of this communicator's slowest kind of link (found once: links do not change)."""
+        topology = self.topology()
+        if topology is not None:
+            return topology.inter
         if self._costs is None:
             kinds = {self.engine.transport_of(peer) for peer in self.world if peer != self.engine.rank}
             slowest = next((kind for kind in ("tcp", "shm", "loopback") if kind in kinds), "shm")

@@ -97,6 +97,9 @@ class Communicator:
     group = groups.group
     dup = groups.dup
     create_group = groups.create_group
+    split_type = groups.split_type
+    leaders = groups.leaders
+    hosts = property(groups.hosts)
 
     def __init__(self, engine: Engine, transports: list[Transport], run_id: str, *,
                  world_ranks: list[int] | None = None, context: int = 0, parent: Communicator | None = None) -> None:

@@ -451,6 +451,6 @@ class Dispatcher:
             async_op: return the Work instead of waiting.
         """
         blocking = not async_op
-        info = self._resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
+        info = self.chooser.resolve(collective, name, 0, False, False, blocking and self.direct_capable(), blocking)
         return self.run(Call(collective, args, 0, algorithm=info.name), async_op)
 

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from ..p2p.hosts import HostMap
     from ..store.base import Store
     from .communicator import Communicator
 
-__all__ = ["split", "group", "dup", "create_group"]
+__all__ = ["split", "group", "dup", "create_group", "split_type", "leaders", "hosts"]
 
 _NO_COLOR = -1
 
@@ -114,6 +115,47 @@ def create_group(comm: Communicator, ranks: Sequence[int], store: Store,
     context = max(int(value) for value in offered)
     engine.next_context = max(engine.next_context, context + 1)
     return _sub(comm, [comm.world_ranks[r] for r in ranks], context)
+
+
+def hosts(comm: Communicator) -> HostMap:
+    """Which ranks of `comm` share a host (from the identities exchanged at rendezvous).
+
+    Returns:
+        A HostMap in this communicator's rank numbering: `host_of[r]` is rank r's host
+        (0 for rank 0's), `members(h)` the ranks on host h, `count` the number of hosts.
+    """
+    return comm._engine.hosts.restrict(comm.world_ranks)
+
+
+def split_type(comm: Communicator, kind: str = "host", key: int | None = None) -> Communicator:
+    """The ranks of this communicator that share this rank's host; collective (MPI_Comm_split_type).
+
+    Args:
+        kind: "host" (or its MPI alias "shared"): ranks that share a kernel and /dev/shm.
+        key: orders the ranks of the new communicator (default: this rank).
+
+    Returns:
+        The host-local communicator.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    if kind not in ("host", "shared"):
+        raise ValueError(f"split_type kind must be 'host' (alias 'shared'), not {kind!r}")
+    child = split(comm, hosts(comm).host_of[comm.rank], key)
+    assert child is not None
+    return child
+
+
+def leaders(comm: Communicator) -> Communicator | None:
+    """A communicator of one rank per host (the lowest rank of each); collective over this communicator.
+
+    Returns:
+        The leaders' communicator on the leaders (ordered by host: rank 0's host first), None elsewhere.
+    """
+    host_map = hosts(comm)
+    firsts = [host_map.members(h)[0] for h in range(host_map.count)]
+    return group(comm, firsts)
 
 
 def _checked_ranks(ranks: Sequence[Any], size: int, what: str) -> list[int]:

@@ -28,12 +28,15 @@ from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
 from . import notice, timeline
 from .channel import Channel
+from .hosts import HostMap
 from .waiting import Doorbell, SpinPolicy, bind_share, cpu_count
 from .matching import Matcher
 from .watch import BlockWatch
 from .work import RecvWork, SendWork, Work
 
 __all__ = ["Engine"]
+
+_POLL_NAP = 50e-6  # seconds a waiter with MPI channels sleeps between polls once its spin budget is spent
 
 
 
@@ -67,6 +70,9 @@ class Engine:
         self.deferred: list[Work] = []  # works whose callbacks are due
         self.next_context = 1  # the lowest communicator context this rank has not used (0: the world)
         self.closers: list[Callable[[], None]] = []  # called by close(): what higher layers opened on it
+        self.hosts = HostMap.single(size)  # which ranks share a host: set from the rendezvous cards
+        self.link_latency = 0.0  # seconds a message takes between hosts, measured and agreed at connect
+        self.poll_only = False  # a channel has nothing that could wake a sleeper (MPI): waits poll, never sleep
         self.host_shares_pids = True  # every rank of this host sees the others' pids (set when connecting)
         self.timeline = timeline.from_env(rank)  # TCOLL_TRACE: None when off, the only cost then
 
@@ -309,6 +315,9 @@ class Engine:
                 if now - spin_start >= self.spin.fast_s:
                     os.sched_yield()  # past the first microseconds: let a rank that shares this core run
                 continue
+            if self.poll_only:  # nothing would wake a sleeper: nap briefly so oversubscribed peers get the core
+                self._block(work, _POLL_NAP)
+                continue
             blocked = True
             self._block(work, min(deadline, next_liveness) - now)
             spin_start = time.monotonic()
@@ -390,6 +399,9 @@ class Engine:
         with self._lock:
             if peer in self._lost:
                 return
+            if self.hosts.count > 1 and "host " not in error.detail:
+                # Between hosts a lost link usually means a lost host: say which, and who else was on it.
+                error = PeerLostError(peer, f"{error.detail} ({self.hosts.describe([peer])})")
             self._lost[peer] = error
             channel = self.channels[peer]
             if channel is not None:

@@ -1,10 +1,11 @@
 """Build a rank's engine: meet the other ranks, choose a transport per peer, connect.
 
-Transports are tried in order [loopback, shm, tcp]: each pair of ranks uses the
-first one both can use (loopback for threads of one process, shm for
-processes of one host, tcp otherwise). TCOLL_TRANSPORT=shm|tcp forces one for
-every pair (loopback is then off too); a pair the forced transport cannot
-serve is an error at startup, not a silent fallback.
+Transports are tried in order [loopback, shm, mpi, tcp]: each pair of ranks uses
+the first one both can use (loopback for threads of one process, shm for
+processes of one host, tcp otherwise; mpi instead of tcp with
+TCOLL_INTERHOST=mpi). TCOLL_TRANSPORT=shm|tcp|mpi forces one for every pair
+(loopback is then off too); a pair the forced transport cannot serve is an
+error at startup, not a silent fallback.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ from typing import Any
 from ..env import Settings
 from ..errors import TransportError
 from ..p2p.engine import Engine
+from ..p2p.hosts import HostMap, host_identity
 from ..p2p.waiting import Doorbell
 from ..store.base import Store
 from ..transport.base import Card, Transport
 from ..transport.loopback import LoopbackTransport
-from ..transport.shm import ShmTransport, host_identity
+from ..transport.mpi import MpiTransport
+from ..transport.shm import ShmTransport
 from ..transport.tcp import TcpTransport
 from .liveness import PeerWatch, WatchedStore
 from .rendezvous import exchange_cards
 
 __all__ = ["connect_world", "TRANSPORTS"]
 
-TRANSPORTS: tuple[type[Transport], ...] = (LoopbackTransport, ShmTransport, TcpTransport)
+TRANSPORTS: tuple[type[Transport], ...] = (LoopbackTransport, ShmTransport, MpiTransport, TcpTransport)
 
 
 def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id: str,
@@ -49,7 +52,8 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
         TransportError: a pair of ranks has no usable transport.
     """
     engine = Engine(rank, size, settings, Doorbell.private())
-    transports = [cls(engine, settings, run_id, master_host) for cls in _allowed(settings.transport)]
+    transports = [cls(engine, settings, run_id, master_host) for cls in _allowed(settings.transport,
+                                                                                 settings.interhost)]
     try:
         card = _identity_card(rank)
         watch = PeerWatch(store, rank, size, dict(card))
@@ -65,12 +69,15 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
             channels = transport.connect(peers, cards, store.prefix(transport.name), settings.timeout)
             for channel in channels.values():
                 engine.add_channel(channel)
-        neighbours = [other for other in cards if other["host"] == card["host"]]
-        index = sum(1 for other in cards[:rank] if other["host"] == card["host"])
+        engine.hosts = HostMap([other["host"] for other in cards])
+        local = engine.hosts.local_ranks(rank)
+        neighbours = [cards[r] for r in local]
         processes = any(other["pid"] != card["pid"] for other in neighbours)
-        engine.set_ranks_on_host(len(neighbours), index, processes)
+        engine.set_ranks_on_host(len(neighbours), sum(1 for r in local if r < rank), processes)
         # Zero-copy buffers are found through /proc/<pid>: only where every rank of the host sees every pid.
         engine.host_shares_pids = all(other["pidns"] == card["pidns"] and card["pidns"] for other in neighbours)
+        if engine.hosts.count > 1:
+            engine.link_latency = _agreed_latency(engine, store, rank, size, settings.timeout)
     except BaseException:
         engine.close()
         for transport in transports:
@@ -79,13 +86,29 @@ def connect_world(store: Store, rank: int, size: int, settings: Settings, run_id
     return engine, transports
 
 
-def _allowed(forced: str) -> list[type[Transport]]:
-    """The transports to set up: all available ones, or only the forced one."""
+def _agreed_latency(engine: Engine, store: Store, rank: int, size: int, timeout: float) -> float:
+    """Seconds one message takes between hosts: half the largest round trip any rank's kernel measured.
+
+    Every rank publishes the largest smoothed round-trip time of its connections to other hosts
+    (the handshakes gave the kernel a few samples); all take the largest, so the cost model's
+    choices, which rest on it, are the same on every rank.
+    """
+    mine = max((channel.round_trip() for channel in engine.channels
+                if channel is not None and hasattr(channel, "round_trip")), default=0.0)
+    store.set(f"latency/{rank}", repr(mine).encode())
+    found = store.multi_get([f"latency/{r}" for r in range(size)], timeout)
+    return max(float(value) for value in found) / 2
+
+
+def _allowed(forced: str, interhost: str = "tcp") -> list[type[Transport]]:
+    """The transports to set up: all available ones (MPI only for TCOLL_INTERHOST=mpi), or only the forced one."""
     if forced == "auto":
-        return [cls for cls in TRANSPORTS if cls.available()]
+        skip = "tcp" if interhost == "mpi" else "mpi"
+        return [cls for cls in TRANSPORTS if cls.name != skip and cls.available()]
     chosen = [cls for cls in TRANSPORTS if cls.name == forced]
     if not chosen or not chosen[0].available():
-        raise TransportError(f"TCOLL_TRANSPORT={forced} is not available on this machine")
+        hint = ": pip install 'tcoll[mpi]'" if forced == "mpi" else ""
+        raise TransportError(f"TCOLL_TRANSPORT={forced} is not available on this machine{hint}")
     return chosen
 
 
@@ -102,7 +125,8 @@ def _assign(transports: list[Transport], cards: list[Card], rank: int, forced: s
                 break
         else:
             how = f"TCOLL_TRANSPORT={forced}" if forced != "auto" else "any transport"
-            raise TransportError(f"rank {rank} cannot reach rank {peer} ({card['host']}) with {how}")
+            hint = " (the mpi transport needs every rank started by one mpiexec)" if forced == "mpi" else ""
+            raise TransportError(f"rank {rank} cannot reach rank {peer} ({card['host']}) with {how}{hint}")
     return assignment
 
 

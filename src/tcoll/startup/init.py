@@ -13,6 +13,7 @@ from ..env import Settings
 from ..store.base import Store
 from . import keys, rendezvous
 from .connect import connect_world
+from .mpi_meet import meet_through_mpi, wants_mpi_meeting
 
 __all__ = ["init", "default_communicator", "connect"]
 
@@ -40,7 +41,8 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
             (default: TCOLL_TIMEOUT, or 300).
         store: meet through this store instead (rank and size required); used
             by `tcoll.spawn` and tests.
-        transport: "auto", "shm" or "tcp" (default: TCOLL_TRANSPORT, or auto).
+        transport: "auto", "shm", "tcp" or "mpi" (default: TCOLL_TRANSPORT, or auto). With "mpi" (or
+            TCOLL_INTERHOST=mpi) under mpiexec the ranks meet through MPI (tcoll.startup.mpi_meet).
         run_id: the job's name for shared resources (default: the launcher's).
         **knobs: other `tcoll.env.Settings` fields, e.g. shm_chunk="4K".
 
@@ -54,6 +56,10 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
     """
     settings = Settings.from_env(timeout=timeout, transport=transport, **knobs)
     own_store = store is None
+    met_through_mpi = own_store and rank is None and wants_mpi_meeting(settings, init_method)
+    if met_through_mpi:
+        store, rank, size, mpi_run_id = meet_through_mpi(settings)  # under mpiexec: no address needed
+        run_id = run_id or mpi_run_id
     if store is not None:
         if rank is None or size is None:
             raise ValueError("init(store=...) needs rank and size")
@@ -65,7 +71,7 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
     # A world of one rank needs no key of its own (nor the user's secret), but may meet a launcher's store.
     key = keys.job_key(run_id, info.master) if info.size > 1 else info.auth_key
     settings = dataclasses.replace(settings, auth_key=key)
-    if own_store:
+    if own_store and not met_through_mpi:
         store = rendezvous.open_store(dataclasses.replace(info, auth_key=key), init_method, settings.timeout)
         master_host = info.master_addr or None
     assert store is not None

@@ -24,13 +24,13 @@ import mmap
 import os
 import platform
 import secrets
-import socket
 from collections import deque
 from typing import Any
 
 import numpy as np
 
 from ..errors import PeerLostError, TransportError
+from ..p2p.hosts import host_identity
 from ..p2p.channel import HEADER, MAGIC, Channel, pack_header, unpack_header
 from ..p2p.waiting import FUTEX_AVAILABLE, Doorbell
 from ..p2p.work import RecvWork, SendWork, Work
@@ -51,16 +51,6 @@ _SMALL = 4096  # copies below this go through memoryview (less overhead than Num
 _TOTAL_BUDGET = 256 << 20  # default bytes of rings per host, split among the pairs
 _WORD = (1 << 64) - 1
 _HINT = "a smaller TCOLL_SHM_RING, a larger /dev/shm, or TCOLL_TRANSPORT=tcp may help"
-
-
-def host_identity() -> str:
-    """Identify this host: hostname and boot id (equal boot ids mean one kernel)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def process_alive(pid: int, start_time: int | None) -> bool:

@@ -17,7 +17,6 @@ Connection set-up and the handshake live in `tcp_connect`.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import select
 import socket
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PeerLostError, TransportError
 from ..p2p.channel import HEADER, Channel, pack_header, unpack_header
 from .base import Card, Transport
+from .interfaces import choose_address
 from .tcp_connect import connect_all, open_listener
 
 if TYPE_CHECKING:
@@ -132,6 +132,15 @@ class TcpChannel(Channel):
         code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code:
             raise PeerLostError(self.peer, f"connection failed: {os.strerror(code)}")
+
+    def round_trip(self) -> float:
+        """The kernel's smoothed round-trip time of this connection, in seconds (0.0 if unknown)."""
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        except (OSError, AttributeError):
+            return 0.0
+        # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_rtt (microseconds) is the 16th u32.
+        return int.from_bytes(info[68:72], "little") * 1e-6 if len(info) >= 72 else 0.0
 
     def close(self) -> None:
         """Stop watching the socket and close it (idempotent)."""
@@ -298,7 +307,8 @@ class TcpTransport(Transport):
             TransportError: no usable address.
         """
         if self._listener is None:
-            self._listener = open_listener(choose_address(self.settings.tcp_addr, self.master_host))
+            self._listener = open_listener(choose_address(self.settings.tcp_addr, self.master_host,
+                                                                self.settings.socket_ifname))
         host, port = self._listener.getsockname()[:2]
         return {"addr": host, "port": port}
 
@@ -376,45 +386,6 @@ class TcpTransport(Transport):
             self._stop_fd = -1
         if self._listener is not None:
             self._listener.close()
-
-
-def choose_address(tcp_addr: str, master_host: str | None) -> str:
-    """Pick the address this rank listens on and advertises.
-
-    Args:
-        tcp_addr: the TCOLL_TCP_ADDR setting ("" when unset).
-        master_host: the rendezvous master's host, or None for a single-process job.
-
-    Returns:
-        `tcp_addr` if set; "127.0.0.1" when the master is on loopback (a single-host
-        job then never listens on the network); else the local address of the route
-        to the master.
-
-    Raises:
-        TransportError: no route to the master.
-    """
-    if tcp_addr:
-        return tcp_addr
-    if master_host is None or _is_loopback(master_host):
-        return "127.0.0.1"
-    try:
-        info = socket.getaddrinfo(master_host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
-            probe.connect(info[4])  # a UDP connect only consults the routing table
-            return str(probe.getsockname()[0])
-    except OSError as exc:
-        raise TransportError(f"tcp transport: cannot find the local address of the route to the master "
-                             f"{master_host!r} ({exc}); set TCOLL_TCP_ADDR") from None
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether `host` names this machine's loopback interface."""
-    if host.lower() in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _watch(epoll: select.epoll, stop_fd: int, armed: dict[int, int], engine: Engine) -> None:
