@@ -26,7 +26,7 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["register", "empty", "ProcessGroupTcoll", "BACKEND_NAME"]
+__all__ = ["register", "empty", "split_group", "ProcessGroupTcoll", "BACKEND_NAME"]
 
 BACKEND_NAME = "tcoll"
 
@@ -53,18 +53,22 @@ def _registered(dist: Any) -> bool:
 
 
 def _create(options: Any, backend_options: Any = None) -> Any:
-    """torch's creator for "tcoll": defers to `tcoll.torch.process_group.create_backend`."""
-    from .process_group import create_backend
+    """torch's creator for "tcoll": defers to `tcoll.torch.groups.create_backend`."""
+    from .groups import create_backend
 
     return create_backend(options, backend_options)
 
 
 def __getattr__(name: str) -> Any:
-    """`empty` and `ProcessGroupTcoll` come from tcoll.torch.process_group, imported on first use."""
+    """`empty`, `ProcessGroupTcoll` and `split_group` are imported on first use."""
     if name in ("empty", "ProcessGroupTcoll"):
         from . import process_group
 
         return getattr(process_group, name)
+    if name == "split_group":
+        from .groups import split_group
+
+        return split_group
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

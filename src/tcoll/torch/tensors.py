@@ -56,25 +56,25 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.complex64 if dtype.is_complex else torch.float32
 
 
-def reduce_source(t: torch.Tensor, factor: Any) -> torch.Tensor:
+def reduce_source(t: torch.Tensor, factor: Any, wide: torch.dtype | None = None) -> torch.Tensor:
     """What tcoll reduces for the input `t`: `t` itself, or a contiguous copy (premultiplied by `factor`
-    unless it is None, or widened for dtypes tcoll does not reduce)."""
-    native = t.dtype in NATIVE
+    unless it is None, or widened: to `wide` if given, else for dtypes tcoll does not reduce)."""
+    native = t.dtype in NATIVE and wide is None
     if native and factor is None and t.is_contiguous():
         return t.detach()
     with torch.no_grad():
-        src = t.detach().to(t.dtype if native else _wide(t.dtype), copy=True).contiguous()
+        src = t.detach().to(t.dtype if native else wide or _wide(t.dtype), copy=True).contiguous()
         if factor is not None:  # an integer tensor's products are rounded toward zero
             src.copy_(src * factor)
     return src
 
 
-def reduce_target(t: torch.Tensor) -> torch.Tensor:
+def reduce_target(t: torch.Tensor, wide: torch.dtype | None = None) -> torch.Tensor:
     """Where tcoll writes a reduction's result meant for `t`: `t` itself, or a contiguous (widened) buffer."""
-    native = t.dtype in NATIVE
+    native = t.dtype in NATIVE and wide is None
     if native and t.is_contiguous():
         return t.detach()
-    return torch.empty(t.shape, dtype=t.dtype if native else _wide(t.dtype))
+    return torch.empty(t.shape, dtype=t.dtype if native else wide or _wide(t.dtype))
 
 
 def finisher(buf: torch.Tensor, t: torch.Tensor, int_avg: bool, size: int) -> Callable[[], None]:
