@@ -100,10 +100,18 @@ TestDistBackendWithSpawn = _prepare_module()
 class _Outcomes(unittest.TextTestResult):
     """Records each test's outcome: passed, failed, error, skipped."""
 
+    save_to: str | None = None  # written after every test, so an interrupted run keeps what it found
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.outcomes: dict[str, str] = {}
         self.details: dict[str, str] = {}
+
+    def stopTest(self, test):  # noqa: N802
+        super().stopTest(test)
+        if self.save_to:
+            with open(self.save_to, "w") as handle:
+                json.dump({"outcomes": self.outcomes, "details": self.details, "seconds": 0.0}, handle, indent=1)
 
     def _name(self, test: unittest.TestCase) -> str:
         return test.id().split(".")[-1]
@@ -127,12 +135,13 @@ class _Outcomes(unittest.TextTestResult):
         self.outcomes[self._name(test)] = "skipped"
 
 
-def _run_here(patterns: list[str], only: set[str] | None, verbose: bool) -> dict:
+def _run_here(patterns: list[str], only: set[str] | None, verbose: bool, save_to: str | None = None) -> dict:
     """Run the selected tests of the suite in this process (the module was prepared at import)."""
     loader = unittest.TestLoader()
     names = loader.getTestCaseNames(TestDistBackendWithSpawn)
     chosen = [n for n in names if (not patterns or any(p in n for p in patterns)) and (only is None or n in only)]
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in chosen)
+    _Outcomes.save_to = save_to
     runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=2 if verbose else 1, stream=sys.stderr)
     start = time.perf_counter()
     result = runner.run(suite)
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.only_passed) as handle:
             only = {n for n, o in json.load(handle)["outcomes"].items() if o == "passed"}
     if args.backend != "both" and TestDistBackendWithSpawn is not None:
-        result = _run_here(args.k, only, args.verbose)
+        result = _run_here(args.k, only, args.verbose, args.json)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(result, handle, indent=1)

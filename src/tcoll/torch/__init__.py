@@ -61,14 +61,14 @@ def _create(options: Any, backend_options: Any = None) -> Any:
 
 def __getattr__(name: str) -> Any:
     """`empty`, `ProcessGroupTcoll` and `split_group` are imported on first use."""
-    if name in ("empty", "ProcessGroupTcoll"):
-        from . import process_group
+    if name == "ProcessGroupTcoll":
+        from .process_group import ProcessGroupTcoll
 
-        return getattr(process_group, name)
-    if name == "split_group":
-        from .groups import split_group
+        return ProcessGroupTcoll
+    if name in ("empty", "split_group"):
+        from . import groups
 
-        return split_group
+        return getattr(groups, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,10 +1,11 @@
-"""How torch's groups become tcoll process groups: torch's creator for "tcoll", and `split_group`.
+"""How torch's groups become tcoll process groups: torch's creator for "tcoll", `split_group`, and `empty`.
 
 `create_backend` is what torch calls for `init_process_group("tcoll")` and
 `new_group`: the default group becomes a tcoll world, a later group a
 sub-communicator of it (`worlds`).
 
 `tcoll.torch.split_group` is torch's `dist.split_group` for tcoll groups on CPU-only hosts.
+`tcoll.torch.empty` makes a tensor in a group's shared memory.
 
 torch 2.13's `dist.split_group` refuses every process group of a host
 without an accelerator before it reaches the backend ("No backend for the
@@ -19,8 +20,10 @@ torch.distributed, so that `group=` arguments, `get_rank(group)` and
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -31,7 +34,7 @@ from .work import seconds
 if TYPE_CHECKING:
     from .process_group import ProcessGroupTcoll
 
-__all__ = ["create_backend", "split_group"]
+__all__ = ["create_backend", "empty", "split_group"]
 
 
 def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = None, timeout: Any = None,
@@ -112,3 +115,30 @@ def create_backend(options: Any, backend_options: Any = None) -> ProcessGroupTco
     if not global_ranks or not dist.is_initialized():  # the default group: a world of its own
         return ProcessGroupTcoll(worlds.open_world(store, rank, size, timeout, master, default=True))
     return ProcessGroupTcoll(worlds.open_group(store, rank, size, global_ranks, timeout, master))
+
+
+def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:
+    """A new zero-filled CPU tensor in shared memory, which tcoll's collectives read in place.
+
+    When every rank of the group shares this host, tcoll's shared-memory
+    collectives read such a tensor where it lies instead of copying it into
+    their arena first (`tcoll.Communicator.empty`). For a group that is not
+    tcoll's, or spans hosts, it is an ordinary tensor.
+
+    Args:
+        shape: the tensor's shape.
+        dtype: its dtype (any).
+        group: the process group it is for (default: the default group).
+    """
+    dims = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    from .process_group import ProcessGroupTcoll  # noqa: F811
+
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, ProcessGroupTcoll):
+        return torch.zeros(dims, dtype=dtype)
+    count = 1
+    for n in dims:
+        count *= n
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(pg.comm.empty(count * itemsize, "uint8"))
+    return raw.view(dtype).view(dims)

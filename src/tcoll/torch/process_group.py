@@ -51,7 +51,7 @@ from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, copy_message, 
                       pieces, reduce_source, reduce_target, row_bytes)
 from .work import Finish, Held, TcollWork, chain, each, held_calls, result_of, run_held, seconds, timed_out
 
-__all__ = ["ProcessGroupTcoll", "empty", "BACKEND_NAME"]
+__all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
 BACKEND_NAME = "tcoll"
 
@@ -66,6 +66,7 @@ _STRIDED = torch.strided
 _SIMPLE_OPS = {k: v for k, v in _OP_NAMES.items() if k not in (_RedOp.PREMUL_SUM, _RedOp.AVG)}
 _SIMPLE_DTYPES = NATIVE
 _AVG_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float64}  # where an average cannot overflow
+_VIEWS, _VIEW_BYTES = 32, 64 << 10  # small tensors whose arrays are kept (_view)
 _INTERNAL_TAG = 1 << 61  # tags of the backend's own messages: far above any tag a torch program uses
 _INTERNAL_TAGS = 1 << 60
 
@@ -97,6 +98,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._stash: dict[tuple[int, int], deque[torch.Tensor]] = {}  # receives of recv_anysource that lost
         self._chain_tag = 0  # reduce calls so far (their tags, above the users' tags)
         self._chunk = Settings.from_env().coll_chunk  # bytes per message of the reduce chain
+        self._views: dict[tuple[int, int, torch.dtype], Any] = {}  # see _view
 
     # -- identity -------------------------------------------------------------------
 
@@ -235,14 +237,14 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                     and not self.comm.closed:
                 mode = _async_requested(opts)
                 if mode is None:
-                    return self._issue(tensors, lambda _: self.comm.all_reduce(np_view(t), name), None)
+                    return self._issue(tensors, lambda _: self.comm.all_reduce(self._view(t), name), None)
                 if held_calls:
                     run_held()
                 self._sequence += 1
                 if mode:
-                    return TcollWork(self, tensors, [self.comm.all_reduce(np_view(t), name, async_op=True)])
+                    return TcollWork(self, tensors, [self.comm.all_reduce(self._view(t), name, async_op=True)])
                 try:
-                    self.comm.all_reduce(np_view(t), name)
+                    self.comm.all_reduce(self._view(t), name)
                 except TcollTimeout as exc:
                     raise timed_out(exc) from exc
                 return TcollWork(self, tensors)
@@ -565,31 +567,24 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     # -- helpers ----------------------------------------------------------------------
 
+    def _view(self, t: torch.Tensor) -> Any:
+        """np_view(t); for a small tensor, the same array each time the tensor comes again.
+
+        A new array per call costs tcoll more than a small call itself (measured: about
+        as much as the rest of the backend's work). An array holds its tensor's memory,
+        so only small tensors are kept, at most _VIEWS of them; an entry is found
+        by address, size and dtype, which only the same memory can match while it lives.
+        """
+        if t.numel() * t.element_size() > _VIEW_BYTES:
+            return np_view(t)
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        arr = self._views.get(key)
+        if arr is None:
+            if len(self._views) >= _VIEWS:
+                self._views.clear()
+            arr = self._views[key] = np_view(t)
+        return arr
+
     def _check_count(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         if len(tensors) != self.comm.size:
             raise ValueError(f"{what} must hold {self.comm.size} tensors (one per rank), not {len(tensors)}")
-
-
-def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:
-    """A new zero-filled CPU tensor in shared memory, which tcoll's collectives read in place.
-
-    When every rank of the group shares this host, tcoll's shared-memory
-    collectives read such a tensor where it lies instead of copying it into
-    their arena first (`tcoll.Communicator.empty`). For a group that is not
-    tcoll's, or spans hosts, it is an ordinary tensor.
-
-    Args:
-        shape: the tensor's shape.
-        dtype: its dtype (any).
-        group: the process group it is for (default: the default group).
-    """
-    dims = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
-    pg = group if group is not None else dist.group.WORLD
-    if not isinstance(pg, ProcessGroupTcoll):
-        return torch.zeros(dims, dtype=dtype)
-    count = 1
-    for n in dims:
-        count *= n
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.from_numpy(pg.comm.empty(count * itemsize, "uint8"))
-    return raw.view(dtype).view(dims)
