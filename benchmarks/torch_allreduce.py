@@ -11,7 +11,10 @@ async_op=True with TCOLL_TORCH_ASYNC=1, which starts the collective
 asynchronously and waits for its Work (the default runs every collective to
 completion inside the call); "zero-copy" all-reduces a tensor made by
 `tcoll.torch.empty`, in shared memory, which tcoll reads in place. "tcoll vs
-gloo" compares the plain "tcoll" column, on an ordinary tensor. For every size and backend a run times
+gloo" compares the plain "tcoll" column, on an ordinary tensor. "comm.all_reduce" is
+tcoll's own call on the default group's communicator, on the same tensor's
+memory as a NumPy array, without torch.distributed in the way; "tcoll vs comm"
+is what the backend costs on top of it (1.00x: nothing). For every size and backend a run times
 `iterations` back-to-back float32 sum all-reduces after a warm-up and a
 barrier; the slowest rank's mean is the run's time, and the table shows the
 median over the runs. Bus bandwidth is bytes * 2 (n - 1) / n / time, the
@@ -39,7 +42,7 @@ import tempfile
 import time
 from typing import Any
 
-MODES = ("tcoll", "tcoll-async", "tcoll-zero-copy", "gloo")
+MODES = ("tcoll", "tcoll-async", "tcoll-zero-copy", "gloo", "comm")
 DEFAULT_SIZES = (8, 64 << 10, 1 << 20, 64 << 20)
 
 
@@ -63,7 +66,7 @@ def _worker(rank: int, size: int, port: int, sizes: list[int], runs: int, out_di
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("tcoll", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=600))
     gloo = dist.new_group(list(range(size)), backend="gloo")
-    groups = {"tcoll": None, "tcoll-async": None, "tcoll-zero-copy": None, "gloo": gloo}
+    groups = {"tcoll": None, "tcoll-async": None, "tcoll-zero-copy": None, "gloo": gloo, "comm": None}
     times: dict[str, dict[int, list[float]]] = {mode: {n: [] for n in sizes} for mode in MODES}
     for _ in range(runs):
         for nbytes in sizes:
@@ -75,12 +78,14 @@ def _worker(rank: int, size: int, port: int, sizes: list[int], runs: int, out_di
                 tensor = shared if mode == "tcoll-zero-copy" else plain
                 use_async = mode == "tcoll-async"
                 os.environ["TCOLL_TORCH_ASYNC"] = "1" if use_async else "0"
+                call = _comm_call(dist, tensor) if mode == "comm" else \
+                    (lambda: _all_reduce(dist, tensor, group, use_async))  # noqa: B023 - used in this iteration
                 for _ in range(2 if iterations > 3 else 1):  # warm-up
-                    _all_reduce(dist, tensor, group, use_async)
+                    call()
                 dist.barrier(group=group)
                 start = time.perf_counter()
                 for _ in range(iterations):
-                    _all_reduce(dist, tensor, group, use_async)
+                    call()
                 elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's mean
                 times[mode][nbytes].append(elapsed.item())
@@ -145,6 +150,12 @@ def measure_ddp(ranks: int, runs: int) -> dict[str, float]:
     return {mode: statistics.median(v) for mode, v in raw.items()}
 
 
+def _comm_call(dist: Any, tensor: Any) -> Any:
+    """tcoll's own all_reduce on the default group's communicator, on the same memory (no torch in the way)."""
+    comm, array = dist.group.WORLD.comm, tensor.numpy()
+    return lambda: comm.all_reduce(array, "sum")
+
+
 def _all_reduce(dist: Any, tensor: Any, group: Any, use_async: bool) -> None:
     if use_async:
         dist.all_reduce(tensor, group=group, async_op=True).wait()
@@ -178,14 +189,16 @@ def measure(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[int, floa
 
 def table(ranks: int, medians: dict[str, dict[int, float]]) -> str:
     """A Markdown table: latency and bus bandwidth of each mode, and tcoll's speed-up over gloo."""
-    lines = [f"{ranks} ranks | tcoll | tcoll busbw | tcoll async | tcoll zero-copy | gloo | gloo busbw | tcoll vs gloo",
-             "---|---:|---:|---:|---:|---:|---:|---:"]
+    lines = [f"{ranks} ranks | tcoll | tcoll busbw | tcoll async | tcoll zero-copy | gloo | gloo busbw | tcoll vs gloo"
+             " | comm.all_reduce | tcoll vs comm",
+             "---|---:|---:|---:|---:|---:|---:|---:|---:|---:"]
     factor = 2 * (ranks - 1) / ranks
     for nbytes in sorted(medians["tcoll"]):
-        t, a, z, g = (medians[m][nbytes] for m in MODES)
+        t, a, z, g, c = (medians[m][nbytes] for m in MODES)
         nb = max(4, nbytes)
         lines.append(f"{_size_text(nbytes)} | {_time_text(t)} | {_bw_text(nb * factor / t)} | {_time_text(a)} | "
-                     f"{_time_text(z)} | {_time_text(g)} | {_bw_text(nb * factor / g)} | {g / t:.1f}x")
+                     f"{_time_text(z)} | {_time_text(g)} | {_bw_text(nb * factor / g)} | {g / t:.1f}x | "
+                     f"{_time_text(c)} | {t / c:.2f}x")
     return "\n".join(lines)
 
 
