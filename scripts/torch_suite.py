@@ -36,10 +36,10 @@ import unittest
 
 _SWAP = "TCOLL_SUITE_BACKEND"  # set in the runner's processes (and inherited by the tests' ranks)
 # The tests that only gloo can pass (see above).
-GLOO_ONLY = ("test_get_backend", "test_monitored_barrier_allreduce_hang", "test_monitored_barrier_allreduce_hang_wait_all_ranks",
-             "test_monitored_barrier_failure_order", "test_monitored_barrier_gloo",
-             "test_monitored_barrier_gloo_rank_0_timeout", "test_monitored_barrier_gloo_subgroup",
-             "test_monitored_barrier_wait_all_ranks")
+GLOO_ONLY = ("test_get_backend", "test_monitored_barrier_allreduce_hang",
+             "test_monitored_barrier_allreduce_hang_wait_all_ranks", "test_monitored_barrier_failure_order",
+             "test_monitored_barrier_gloo", "test_monitored_barrier_gloo_rank_0_timeout",
+             "test_monitored_barrier_gloo_subgroup", "test_monitored_barrier_wait_all_ranks")
 
 
 def _prepare_module() -> type | None:
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     unexpected = [n for n in missing if n not in GLOO_ONLY]
     print(f"gloo passes, tcoll does not: {len(missing)} ({len(expected)} gloo-only: {', '.join(expected) or '-'})")
     for name in unexpected:
-        print(f"  {name}: {ours.get(name)}\n    " + results["tcoll"]["details"].get(name, "")[-600:].replace("\n", "\n    "))
+        detail = results["tcoll"]["details"].get(name, "")[-600:].replace("\n", "\n    ")
+        print(f"  {name}: {ours.get(name)}\n    {detail}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)

@@ -49,7 +49,7 @@ from .anysource import AnySource
 from .sparse import all_reduce_sparse
 from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, copy_message, fill, finisher, np_bytes, np_view,
                       pieces, reduce_source, reduce_target, row_bytes)
-from .work import Finish, Held, TcollWork, chain, each, held_calls, result_of, run_held, seconds, timed_out
+from .work import Finish, Held, TcollWork, chain, drop_held, each, held_calls, result_of, run_held, seconds, timed_out
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
@@ -148,10 +148,15 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     # -- life cycle -----------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Release the communicator (the world's channels too, for the group that owns them)."""
+    def shutdown(self, abort: bool = False) -> None:
+        """Release the communicator (the world's channels too, for the group that owns them).
+
+        Calls still held (work.Held) run first, unless `abort`: then this group's fail instead.
+        """
         comm = self.comm
         if held_calls and not comm.closed:
+            if abort:
+                drop_held(comm, TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) was aborted"))
             run_held()  # held calls of every group, this one's among them, run before it goes
         worlds.forget_world(comm)
         if comm.closed:
@@ -160,7 +165,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def abort(self) -> None:
         """Stop now: pending operations fail (tcoll's close)."""
-        self.shutdown()
+        self.shutdown(abort=True)
 
     # -- running calls ---------------------------------------------------------------
 

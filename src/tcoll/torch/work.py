@@ -23,7 +23,8 @@ from ..errors import TimeoutError as TcollTimeout
 if TYPE_CHECKING:
     from .process_group import ProcessGroupTcoll
 
-__all__ = ["TcollWork", "Held", "Finish", "held_calls", "run_held", "seconds", "each", "chain", "result_of", "timed_out"]
+__all__ = ["TcollWork", "Held", "Finish", "drop_held", "held_calls", "run_held", "seconds", "each", "chain",
+           "result_of", "timed_out"]
 
 Finish = Callable[[], None]
 _TIMED_OUT = "[tcoll] Timed out - "
@@ -57,6 +58,13 @@ def run_held() -> None:
     """Run every held call now, in order (each with its group's timeout); their errors wait for their wait()."""
     while held_calls:
         held_calls[0].run(None)
+
+
+def drop_held(comm: Any, error: BaseException) -> None:
+    """Fail the held calls of `comm` with `error` instead of running them (the group is aborted)."""
+    for held in [h for h in held_calls if h.comm is comm]:
+        held_calls.remove(held)
+        held.ran, held.error = True, error
 
 
 class Held:
