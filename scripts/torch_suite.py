@@ -20,7 +20,8 @@ instead. What cannot pass that way: test_get_backend (it expects
 implements monitored_barrier for gloo groups only).
 
 One test at a time (a test's processes take the machine's cores); a full run
-of one backend takes 15-30 minutes on 2 cores.
+is long (most of the 290 tests spawn WORLD_SIZE ranks): `-k` and `--only-passed`
+cut it down.
 """
 
 from __future__ import annotations
