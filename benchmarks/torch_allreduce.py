@@ -2,7 +2,6 @@
 
     python benchmarks/torch_allreduce.py                 # 2 and 4 ranks, 8 B .. 64 MiB, 3 runs
     python benchmarks/torch_allreduce.py --ranks 2 --sizes 8,65536 --runs 1
-    python benchmarks/torch_allreduce.py --ddp           # DDP training steps instead
 
 Each rank count starts its processes once (torch.multiprocessing, spawn).
 The default group is tcoll's; a gloo group of the same ranks is made next to
@@ -11,16 +10,16 @@ async_op=True with TCOLL_TORCH_ASYNC=1, which starts the collective
 asynchronously and waits for its Work (the default runs every collective to
 completion inside the call); "zero-copy" all-reduces a tensor made by
 `tcoll.torch.empty`, in shared memory, which tcoll reads in place. "tcoll vs
-gloo" compares the plain "tcoll" column, on an ordinary tensor. For every size and backend a run times
+gloo" compares the plain "tcoll" column, on an ordinary tensor. "comm.all_reduce" is
+tcoll's own call on the default group's communicator, on the same tensor's
+memory as a NumPy array, without torch.distributed in the way; "tcoll vs comm"
+is what the backend costs on top of it (1.00x: nothing). For every size and backend a run times
 `iterations` back-to-back float32 sum all-reduces after a warm-up and a
 barrier; the slowest rank's mean is the run's time, and the table shows the
 median over the runs. Bus bandwidth is bytes * 2 (n - 1) / n / time, the
 figure NCCL's tests print (it compares across rank counts).
 
-With --ddp, each mode instead trains an MLP of about 1.1 M parameters
-(16-1024-1024-4, float32) with DistributedDataParallel, 1 MiB buckets (about
-five all-reduces per step), for `DDP_STEPS` steps after a warm-up; the
-table shows the median time per step.
+DDP training steps: benchmarks/torch_ddp.py.
 
 Set OMP_NUM_THREADS=1 (torchrun does): torch's intra-op threads of several
 ranks on a few cores slow every rank down, whatever the backend.
@@ -39,7 +38,7 @@ import tempfile
 import time
 from typing import Any
 
-MODES = ("tcoll", "tcoll-async", "tcoll-zero-copy", "gloo")
+MODES = ("tcoll", "tcoll-async", "tcoll-zero-copy", "gloo", "comm")
 DEFAULT_SIZES = (8, 64 << 10, 1 << 20, 64 << 20)
 
 
@@ -63,7 +62,7 @@ def _worker(rank: int, size: int, port: int, sizes: list[int], runs: int, out_di
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("tcoll", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=600))
     gloo = dist.new_group(list(range(size)), backend="gloo")
-    groups = {"tcoll": None, "tcoll-async": None, "tcoll-zero-copy": None, "gloo": gloo}
+    groups = {"tcoll": None, "tcoll-async": None, "tcoll-zero-copy": None, "gloo": gloo, "comm": None}
     times: dict[str, dict[int, list[float]]] = {mode: {n: [] for n in sizes} for mode in MODES}
     for _ in range(runs):
         for nbytes in sizes:
@@ -75,12 +74,14 @@ def _worker(rank: int, size: int, port: int, sizes: list[int], runs: int, out_di
                 tensor = shared if mode == "tcoll-zero-copy" else plain
                 use_async = mode == "tcoll-async"
                 os.environ["TCOLL_TORCH_ASYNC"] = "1" if use_async else "0"
+                call = _comm_call(dist, tensor) if mode == "comm" else \
+                    (lambda: _all_reduce(dist, tensor, group, use_async))  # noqa: B023 - used in this iteration
                 for _ in range(2 if iterations > 3 else 1):  # warm-up
-                    _all_reduce(dist, tensor, group, use_async)
+                    call()
                 dist.barrier(group=group)
                 start = time.perf_counter()
                 for _ in range(iterations):
-                    _all_reduce(dist, tensor, group, use_async)
+                    call()
                 elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's mean
                 times[mode][nbytes].append(elapsed.item())
@@ -90,59 +91,10 @@ def _worker(rank: int, size: int, port: int, sizes: list[int], runs: int, out_di
     dist.destroy_process_group()
 
 
-DDP_STEPS = 30
-
-
-def _ddp_worker(rank: int, size: int, port: int, runs: int, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import tcoll.torch  # noqa: F401
-
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("tcoll", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=600))
-    groups = {"tcoll": None, "tcoll-async": None, "gloo": dist.new_group(list(range(size)), backend="gloo")}
-    torch.manual_seed(0)
-    x, y = torch.randn(32, 16), torch.randn(32, 4)
-    times: dict[str, list[float]] = {mode: [] for mode in groups}
-    for _ in range(runs):
-        for mode in groups:
-            os.environ["TCOLL_TORCH_ASYNC"] = "1" if mode == "tcoll-async" else "0"
-            net = torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                      torch.nn.ReLU(), torch.nn.Linear(1024, 4))
-            model = DDP(net, process_group=groups[mode], bucket_cap_mb=1)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-            def step() -> None:
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
-
-            for _ in range(3):
-                step()
-            dist.barrier(group=groups[mode])
-            start = time.perf_counter()
-            for _ in range(DDP_STEPS):
-                step()
-            elapsed = torch.tensor([(time.perf_counter() - start) / DDP_STEPS], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[mode].append(elapsed.item())
-    if rank == 0:
-        with open(os.path.join(out_dir, f"ddp{size}.json"), "w") as handle:
-            json.dump(times, handle)
-    dist.destroy_process_group()
-
-
-def measure_ddp(ranks: int, runs: int) -> dict[str, float]:
-    """Median seconds per DDP training step, {mode: seconds}, for `ranks` processes."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_ddp_worker, args=(ranks, _free_port(), runs, out_dir), nprocs=ranks, join=True)
-        with open(os.path.join(out_dir, f"ddp{ranks}.json")) as handle:
-            raw = json.load(handle)
-    return {mode: statistics.median(v) for mode, v in raw.items()}
+def _comm_call(dist: Any, tensor: Any) -> Any:
+    """tcoll's own all_reduce on the default group's communicator, on the same memory (no torch in the way)."""
+    comm, array = dist.group.WORLD.comm, tensor.numpy()
+    return lambda: comm.all_reduce(array, "sum")
 
 
 def _all_reduce(dist: Any, tensor: Any, group: Any, use_async: bool) -> None:
@@ -178,14 +130,16 @@ def measure(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[int, floa
 
 def table(ranks: int, medians: dict[str, dict[int, float]]) -> str:
     """A Markdown table: latency and bus bandwidth of each mode, and tcoll's speed-up over gloo."""
-    lines = [f"{ranks} ranks | tcoll | tcoll busbw | tcoll async | tcoll zero-copy | gloo | gloo busbw | tcoll vs gloo",
-             "---|---:|---:|---:|---:|---:|---:|---:"]
+    lines = [f"{ranks} ranks | tcoll | tcoll busbw | tcoll async | tcoll zero-copy | gloo | gloo busbw | tcoll vs gloo"
+             " | comm.all_reduce | tcoll vs comm",
+             "---|---:|---:|---:|---:|---:|---:|---:|---:|---:"]
     factor = 2 * (ranks - 1) / ranks
     for nbytes in sorted(medians["tcoll"]):
-        t, a, z, g = (medians[m][nbytes] for m in MODES)
+        t, a, z, g, c = (medians[m][nbytes] for m in MODES)
         nb = max(4, nbytes)
         lines.append(f"{_size_text(nbytes)} | {_time_text(t)} | {_bw_text(nb * factor / t)} | {_time_text(a)} | "
-                     f"{_time_text(z)} | {_time_text(g)} | {_bw_text(nb * factor / g)} | {g / t:.1f}x")
+                     f"{_time_text(z)} | {_time_text(g)} | {_bw_text(nb * factor / g)} | {g / t:.1f}x | "
+                     f"{_time_text(c)} | {t / c:.2f}x")
     return "\n".join(lines)
 
 
@@ -207,17 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="message sizes in bytes")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per size; the median is shown")
     parser.add_argument("--json", help="also write the medians to this file")
-    parser.add_argument("--ddp", action="store_true", help="time DDP training steps instead of all_reduce")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if args.ddp:
-        print("ranks | tcoll (ms/step) | tcoll async (ms/step) | gloo (ms/step) | tcoll vs gloo")
-        print("---|---:|---:|---:|---:")
-        for ranks in (int(r) for r in args.ranks.split(",")):
-            step = measure_ddp(ranks, args.runs)
-            print(f"{ranks} | {step['tcoll'] * 1e3:.2f} | {step['tcoll-async'] * 1e3:.2f} | {step['gloo'] * 1e3:.2f} | "
-                  f"{step['gloo'] / step['tcoll']:.1f}x", flush=True)
-        return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     results = {}
     for ranks in (int(r) for r in args.ranks.split(",")):

@@ -26,7 +26,7 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["register", "empty", "ProcessGroupTcoll", "BACKEND_NAME"]
+__all__ = ["register", "empty", "split_group", "ProcessGroupTcoll", "BACKEND_NAME"]
 
 BACKEND_NAME = "tcoll"
 
@@ -53,18 +53,22 @@ def _registered(dist: Any) -> bool:
 
 
 def _create(options: Any, backend_options: Any = None) -> Any:
-    """torch's creator for "tcoll": defers to `tcoll.torch.process_group.create_backend`."""
-    from .process_group import create_backend
+    """torch's creator for "tcoll": defers to `tcoll.torch.groups.create_backend`."""
+    from .groups import create_backend
 
     return create_backend(options, backend_options)
 
 
 def __getattr__(name: str) -> Any:
-    """`empty` and `ProcessGroupTcoll` come from tcoll.torch.process_group, imported on first use."""
-    if name in ("empty", "ProcessGroupTcoll"):
-        from . import process_group
+    """`empty`, `ProcessGroupTcoll` and `split_group` are imported on first use."""
+    if name == "ProcessGroupTcoll":
+        from .process_group import ProcessGroupTcoll
 
-        return getattr(process_group, name)
+        return ProcessGroupTcoll
+    if name in ("empty", "split_group"):
+        from . import groups
+
+        return getattr(groups, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

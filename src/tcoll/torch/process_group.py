@@ -43,13 +43,14 @@ from ..comm.communicator import Communicator
 from ..comm.pairs import ANY_SOURCE
 from ..env import Settings
 from ..errors import TcollError
-from ..store.torch_store import TorchStore
+from ..errors import TimeoutError as TcollTimeout
 from . import worlds
+from .sparse import all_reduce_sparse
 from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, fill, finisher, np_bytes, np_view,
                       pieces, reduce_source, reduce_target, row_bytes)
-from .work import Finish, TcollWork, chain, each, result_of, seconds
+from .work import Finish, Held, TcollWork, chain, drop_held, each, held_calls, result_of, run_held, seconds, timed_out
 
-__all__ = ["ProcessGroupTcoll", "create_backend", "empty", "BACKEND_NAME"]
+__all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
 BACKEND_NAME = "tcoll"
 
@@ -59,17 +60,23 @@ _OP_NAMES = {
     _RedOp.BAND: "band", _RedOp.BOR: "bor", _RedOp.BXOR: "bxor", _RedOp.AVG: "avg", _RedOp.PREMUL_SUM: "sum",
 }
 _U8 = torch.uint8
+_STRIDED = torch.strided
 # The ops and dtypes tcoll reduces as torch means them, with no copy or finishing step.
 _SIMPLE_OPS = {k: v for k, v in _OP_NAMES.items() if k not in (_RedOp.PREMUL_SUM, _RedOp.AVG)}
 _SIMPLE_DTYPES = NATIVE
+_AVG_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float64}  # where an average cannot overflow
+_VIEWS, _VIEW_BYTES = 32, 64 << 10  # small tensors whose arrays are kept (_view)
 _INTERNAL_TAG = 1 << 61  # tags of the backend's own messages: far above any tag a torch program uses
 _INTERNAL_TAGS = 1 << 60
 
 
 
-def _async_requested(opts: Any) -> bool:
-    """Whether to start this call asynchronously: only if asked, and TCOLL_TORCH_ASYNC=1."""
-    return bool(getattr(opts, "asyncOp", False)) and os.environ.get("TCOLL_TORCH_ASYNC", "0") == "1"
+def _async_requested(opts: Any) -> bool | None:
+    """How to run a call: True, start it asynchronously (asked for, and TCOLL_TORCH_ASYNC=1); None, hold it
+    until it is waited for (asked for async_op; see work.Held); False, run it now."""
+    if not getattr(opts, "asyncOp", False):
+        return False
+    return True if os.environ.get("TCOLL_TORCH_ASYNC", "0") == "1" else None
 
 
 class ProcessGroupTcoll(dist.ProcessGroup):
@@ -89,6 +96,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._sequence = 0
         self._chain_tag = 0  # reduce calls so far (their tags, above the users' tags)
         self._chunk = Settings.from_env().coll_chunk  # bytes per message of the reduce chain
+        self._views: dict[tuple[int, int, torch.dtype], Any] = {}  # see _view
 
     # -- identity -------------------------------------------------------------------
 
@@ -138,9 +146,16 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     # -- life cycle -----------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Release the communicator (the world's channels too, for the group that owns them)."""
+    def shutdown(self, abort: bool = False) -> None:
+        """Release the communicator (the world's channels too, for the group that owns them).
+
+        Calls still held (work.Held) run first, unless `abort`: then this group's fail instead.
+        """
         comm = self.comm
+        if held_calls and not comm.closed:
+            if abort:
+                drop_held(comm, TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) was aborted"))
+            run_held()  # held calls of every group, this one's among them, run before it goes
         worlds.forget_world(comm)
         if comm.closed:
             return
@@ -148,23 +163,56 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def abort(self) -> None:
         """Stop now: pending operations fail (tcoll's close)."""
-        self.shutdown()
+        self.shutdown(abort=True)
 
     # -- running calls ---------------------------------------------------------------
 
-    def _issue(self, outputs: list[torch.Tensor], start: Callable[[bool], list[Any]], async_op: bool,
+    def _issue(self, outputs: list[torch.Tensor], start: Callable[[bool], list[Any]], async_op: bool | None,
                finish: Finish | None = None) -> TcollWork:
-        """Run `start(async_op)`: blocking calls return [] once done; async ones the tcoll Works they started."""
+        """Run `start(async_op)`: blocking calls return [] once done; async ones the tcoll Works they started;
+        with async_op None, the call is held until its Work is waited for (`Held`)."""
         if self.comm.closed:
             raise TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")
+        if held_calls:
+            run_held()
         self._sequence += 1
-        pending = start(async_op)
+        if async_op is None:
+            return TcollWork(self, outputs, [Held(self.comm, start)], finish)
+        try:
+            pending = start(async_op)
+        except TcollTimeout as exc:
+            raise timed_out(exc) from exc
         return TcollWork(self, outputs, pending if async_op else (), finish)
+
+    def split_group(self, ranks: Sequence[int], timeout: Any = None, opts: Any = None, group_name: str | None = None,
+                    group_desc: str | None = None, device_types: Any = None) -> ProcessGroupTcoll | None:
+        """torch's ProcessGroup.split_group: a new group of `ranks` (ranks of this group); collective here.
+
+        Every rank of this group calls it, each with the (sorted) ranks of its
+        own split, or with a list it is not in to join none (then it returns
+        None). The new group is a tcoll sub-communicator (`Communicator.split`).
+        `tcoll.torch.split_group` registers it with torch.distributed.
+        """
+        members = sorted(int(r) for r in ranks)
+        mine = self.comm.rank in members
+        sub = self.comm.split(members[0] if mine else None, members.index(self.comm.rank) if mine else None)
+        if sub is None:
+            return None
+        sub.timeout = seconds(timeout) or self.comm.timeout
+        pg = ProcessGroupTcoll(sub)
+        pg._set_group_name(group_name or "")
+        pg._set_group_desc(group_desc or "")
+        return pg
 
     # -- reductions -------------------------------------------------------------------
 
-    def _reduction(self, reduce_op: Any, dtype: torch.dtype) -> tuple[str, Any, bool]:
-        """(tcoll op name, premultiplication factor or None, integer average) for a torch ReduceOp."""
+    def _reduction(self, reduce_op: Any, dtype: torch.dtype) -> tuple[str, Any, bool, torch.dtype | None]:
+        """(tcoll op name, premultiplication factor or None, integer average, dtype to reduce in or None)
+        for a torch ReduceOp on `dtype`.
+
+        The average of float16 (bfloat16) is taken in float32 (float64) and
+        rounded back: their sum overflows long before their mean does.
+        """
         kind = getattr(reduce_op, "op", reduce_op)
         name = _OP_NAMES.get(kind)
         if name is None:
@@ -175,12 +223,12 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             if dtype == torch.bool:
                 raise TypeError(f"{BACKEND_NAME}: ReduceOp.AVG does not apply to torch.bool tensors")
             name, int_avg = "sum", True
-        return name, factor, int_avg
+        return name, factor, int_avg, _AVG_IN.get(dtype) if name == "avg" else None
 
     def _in_place(self, t: torch.Tensor, reduce_op: Any) -> tuple[torch.Tensor, str, Finish]:
         """For a reduction in place on `t`: (the buffer tcoll reduces, the op name, what writes `t`)."""
-        name, factor, int_avg = self._reduction(reduce_op, t.dtype)
-        src = reduce_source(t, factor)
+        name, factor, int_avg, wide = self._reduction(reduce_op, t.dtype)
+        src = reduce_source(t, factor, wide)
         return src, name, finisher(src, t, int_avg, self.comm.size)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
@@ -188,12 +236,28 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         if len(tensors) == 1:  # the common case, kept short: it is DDP's and the latency benchmark's
             t = tensors[0]
             name = _SIMPLE_OPS.get(opts.reduceOp.op)
-            if name is not None and t.dtype in _SIMPLE_DTYPES and t.is_contiguous() and not self.comm.closed:
+            if name is not None and t.dtype in _SIMPLE_DTYPES and t.layout is _STRIDED and t.is_contiguous() \
+                    and not self.comm.closed:
+                mode = _async_requested(opts)
+                if mode is None:
+                    return self._issue(tensors, lambda _: self.comm.all_reduce(self._view(t), name), None)
+                if held_calls:
+                    run_held()
                 self._sequence += 1
-                if _async_requested(opts):
-                    return TcollWork(self, tensors, [self.comm.all_reduce(np_view(t), name, async_op=True)])
-                self.comm.all_reduce(np_view(t), name)
+                if mode:
+                    return TcollWork(self, tensors, [self.comm.all_reduce(self._view(t), name, async_op=True)])
+                try:
+                    self.comm.all_reduce(self._view(t), name)
+                except TcollTimeout as exc:
+                    raise timed_out(exc) from exc
                 return TcollWork(self, tensors)
+        if any(t.is_sparse for t in tensors):  # gloo's way: gather every rank's entries, coalesce
+            def start_sparse(_: bool) -> list[Any]:
+                for t in tensors:
+                    all_reduce_sparse(self.comm, t, self._reduction(opts.reduceOp, t.dtype)[0])
+                return []
+
+            return self._issue(list(tensors), start_sparse, _async_requested(opts) and None)
         prepared = [self._in_place(t, opts.reduceOp) for t in tensors]
 
         def start(async_op: bool) -> list[Any]:
@@ -242,8 +306,8 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
         def start(async_op: bool) -> list[Any]:
             for t in tensors:
-                name, factor, int_avg = self._reduction(opts.reduceOp, t.dtype)
-                src = reduce_source(t, factor)
+                name, factor, int_avg, wide = self._reduction(opts.reduceOp, t.dtype)
+                src = reduce_source(t, factor, wide)
                 self._chain_tag = (self._chain_tag + 1) % _INTERNAL_TAGS
                 chain_reduce(self.comm, src, name, root, _INTERNAL_TAG + self._chain_tag, self._chunk)
                 if self.comm.rank != root:
@@ -253,7 +317,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                 finisher(src, t, int_avg, self.comm.size)()
             return []
 
-        return self._issue(list(tensors), start, False)
+        return self._issue(list(tensors), start, _async_requested(opts) and None)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> TcollWork:
@@ -268,9 +332,9 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, counts: list[int],
                              opts: Any) -> TcollWork:
         """Reduce-scatter the flat `flat` (part j: counts[j] elements) into `output`."""
-        name, factor, int_avg = self._reduction(opts.reduceOp, flat.dtype)
-        src = reduce_source(flat, factor)
-        dst = reduce_target(output)
+        name, factor, int_avg, wide = self._reduction(opts.reduceOp, flat.dtype)
+        src = reduce_source(flat, factor, wide)
+        dst = reduce_target(output, wide)
         back = finisher(dst, output, int_avg, self.comm.size)
         size, part = self.comm.size, counts[self.comm.rank]
         if dst.numel() != part:
@@ -369,7 +433,13 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> TcollWork:
-        works = [self.allgather([outs], [x], opts) for outs, x in zip(output_lists, inputs, strict=True)]
+        """Rank r's inputs[i] lands in output_lists[r][i] of every rank (torch's layout: [rank][i])."""
+        self._check_count(output_lists, "all_gather_coalesced output list")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(inputs):
+                raise ValueError(f"all_gather_coalesced: output list {r} holds {len(outs)} tensors, "
+                                 f"not one per input ({len(inputs)})")
+        works = [self.allgather([[outs[i] for outs in output_lists]], [x], opts) for i, x in enumerate(inputs)]
         return chain(self, works, [t for outs in output_lists for t in outs])
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
@@ -464,17 +534,20 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     # -- point to point -----------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TcollWork:
+        self._ready()
         held = Contiguous(tensors[0])
         work = self.comm.isend(np_bytes(held.work), int(dst), int(tag))
         return self._p2p([held.work], [work], None)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TcollWork:
+        self._ready()
         out = Contiguous(tensors[0], copy_in=False)
         work = self.comm.irecv(np_bytes(out.work), int(src), int(tag))
         return self._p2p([tensors[0]], [work], out.back, source=int(src))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TcollWork:
         """Receive from whichever rank's message (with this tag) comes first: a tcoll ANY_SOURCE receive."""
+        self._ready()
         out = Contiguous(tensors[0], copy_in=False)
         work = self.comm.irecv(np_bytes(out.work), ANY_SOURCE, int(tag))
         result = self._p2p([tensors[0]], [work], None)
@@ -490,63 +563,31 @@ class ProcessGroupTcoll(dist.ProcessGroup):
              source: int = -1) -> TcollWork:
         return TcollWork(self, outputs, pending, finish, source)
 
+    def _ready(self) -> None:
+        """Before a point-to-point call: run the collectives still held, which were called before it."""
+        if held_calls:
+            run_held()
+
     # -- helpers ----------------------------------------------------------------------
+
+    def _view(self, t: torch.Tensor) -> Any:
+        """np_view(t); for a small tensor, the same array each time the tensor comes again.
+
+        A new array per call costs tcoll more than a small call itself (measured: about
+        as much as the rest of the backend's work). An array holds its tensor's memory,
+        so only small tensors are kept, at most _VIEWS of them; an entry is found
+        by address, size and dtype, which only the same memory can match while it lives.
+        """
+        if t.numel() * t.element_size() > _VIEW_BYTES:
+            return np_view(t)
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        arr = self._views.get(key)
+        if arr is None:
+            if len(self._views) >= _VIEWS:
+                self._views.clear()
+            arr = self._views[key] = np_view(t)
+        return arr
 
     def _check_count(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         if len(tensors) != self.comm.size:
             raise ValueError(f"{what} must hold {self.comm.size} tensors (one per rank), not {len(tensors)}")
-
-
-def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:
-    """A new zero-filled CPU tensor in shared memory, which tcoll's collectives read in place.
-
-    When every rank of the group shares this host, tcoll's shared-memory
-    collectives read such a tensor where it lies instead of copying it into
-    their arena first (`tcoll.Communicator.empty`). For a group that is not
-    tcoll's, or spans hosts, it is an ordinary tensor.
-
-    Args:
-        shape: the tensor's shape.
-        dtype: its dtype (any).
-        group: the process group it is for (default: the default group).
-    """
-    dims = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
-    pg = group if group is not None else dist.group.WORLD
-    if not isinstance(pg, ProcessGroupTcoll):
-        return torch.zeros(dims, dtype=dtype)
-    count = 1
-    for n in dims:
-        count *= n
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.from_numpy(pg.comm.empty(count * itemsize, "uint8"))
-    return raw.view(dtype).view(dims)
-
-
-def _master_host(store: Any) -> str | None:
-    """The host of the TCPStore under torch's prefix stores, else MASTER_ADDR: where TCP finds its interface."""
-    for _ in range(16):
-        if isinstance(store, dist.TCPStore):
-            return str(store.host)
-        inner = getattr(store, "underlying_store", None)
-        if inner is None:
-            break
-        store = inner
-    return os.environ.get("MASTER_ADDR") or None
-
-
-def create_backend(options: Any, backend_options: Any = None) -> ProcessGroupTcoll:
-    """torch's creator for "tcoll" (extended API): the group's process group over a tcoll communicator.
-
-    Args:
-        options: torch's _DistributedBackendOptions (store, group_rank, group_size, timeout, group_id,
-            global_ranks_in_group).
-        backend_options: pg_options given to init_process_group / new_group (unused).
-    """
-    timeout = seconds(options.timeout) or 1800.0
-    store = TorchStore(options.store, timeout, address=f"torch://{options.group_id}")
-    rank, size = int(options.group_rank), int(options.group_size)
-    global_ranks = list(options.global_ranks_in_group)
-    master = _master_host(options.store)
-    if not global_ranks or not dist.is_initialized():  # the default group: a world of its own
-        return ProcessGroupTcoll(worlds.open_world(store, rank, size, timeout, master, default=True))
-    return ProcessGroupTcoll(worlds.open_group(store, rank, size, global_ranks, timeout, master))

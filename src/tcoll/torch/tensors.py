@@ -12,10 +12,9 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..buffers import as_array
-from ..errors import TcollError
 from ..ops import as_op
 
-__all__ = ["NATIVE", "Contiguous", "as_bytes", "chain_reduce", "copy_message", "fill", "finisher", "np_bytes",
+__all__ = ["NATIVE", "Contiguous", "as_bytes", "chain_reduce", "fill", "finisher", "np_bytes",
            "np_view", "pieces", "reduce_source", "reduce_target", "row_bytes", "trunc_divide"]
 
 _U8 = torch.uint8
@@ -56,25 +55,25 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.complex64 if dtype.is_complex else torch.float32
 
 
-def reduce_source(t: torch.Tensor, factor: Any) -> torch.Tensor:
+def reduce_source(t: torch.Tensor, factor: Any, wide: torch.dtype | None = None) -> torch.Tensor:
     """What tcoll reduces for the input `t`: `t` itself, or a contiguous copy (premultiplied by `factor`
-    unless it is None, or widened for dtypes tcoll does not reduce)."""
-    native = t.dtype in NATIVE
+    unless it is None, or widened: to `wide` if given, else for dtypes tcoll does not reduce)."""
+    native = t.dtype in NATIVE and wide is None
     if native and factor is None and t.is_contiguous():
         return t.detach()
     with torch.no_grad():
-        src = t.detach().to(t.dtype if native else _wide(t.dtype), copy=True).contiguous()
+        src = t.detach().to(t.dtype if native else wide or _wide(t.dtype), copy=True).contiguous()
         if factor is not None:  # an integer tensor's products are rounded toward zero
             src.copy_(src * factor)
     return src
 
 
-def reduce_target(t: torch.Tensor) -> torch.Tensor:
+def reduce_target(t: torch.Tensor, wide: torch.dtype | None = None) -> torch.Tensor:
     """Where tcoll writes a reduction's result meant for `t`: `t` itself, or a contiguous (widened) buffer."""
-    native = t.dtype in NATIVE
+    native = t.dtype in NATIVE and wide is None
     if native and t.is_contiguous():
         return t.detach()
-    return torch.empty(t.shape, dtype=t.dtype if native else _wide(t.dtype))
+    return torch.empty(t.shape, dtype=t.dtype if native else wide or _wide(t.dtype))
 
 
 def finisher(buf: torch.Tensor, t: torch.Tensor, int_avg: bool, size: int) -> Callable[[], None]:
@@ -164,15 +163,6 @@ class Contiguous:
         if self.work.data_ptr() != self.t.data_ptr() or not self.t.is_contiguous():
             with torch.no_grad():
                 self.t.copy_(self.work)
-
-
-def copy_message(out: Contiguous, data: torch.Tensor) -> None:
-    """Copy a received message (bytes) into the receive's tensor, as a receive would have."""
-    target = as_bytes(out.work)
-    if data.numel() > target.numel():
-        raise TcollError(f"recv: the message has {data.numel()} bytes but the tensor holds {target.numel()}")
-    target[:data.numel()].copy_(data)
-    out.back()
 
 
 def fill(outputs: Sequence[torch.Tensor], parts: Sequence[Any]) -> None:

@@ -18,12 +18,29 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ..errors import TimeoutError as TcollTimeout
+
 if TYPE_CHECKING:
     from .process_group import ProcessGroupTcoll
 
-__all__ = ["TcollWork", "Finish", "seconds", "each", "chain", "result_of"]
+__all__ = ["TcollWork", "Held", "Finish", "drop_held", "held_calls", "run_held", "seconds", "each", "chain",
+           "result_of", "timed_out"]
 
 Finish = Callable[[], None]
+_TIMED_OUT = "[tcoll] Timed out - "
+
+
+def timed_out(exc: TcollTimeout) -> TcollTimeout:
+    """tcoll's timeout, worded as torch's backends word theirs (" Timed out ", which torch's tests look for).
+
+    The new error keeps tcoll's own message (which call, which ranks it still
+    waited on) and its `peers`, and is raised `from` the original.
+    """
+    if str(exc).startswith(_TIMED_OUT):
+        return exc
+    worded = TcollTimeout(_TIMED_OUT + str(exc))
+    vars(worded).update(vars(exc))  # peers, and whether the other ranks know of it
+    return worded
 
 
 def seconds(timeout: Any) -> float | None:
@@ -32,6 +49,76 @@ def seconds(timeout: Any) -> float | None:
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout) / 1000.0
     return seconds if seconds > 0 else None
+
+
+held_calls: list[Held] = []  # calls held back until waited for, in the order they were made (every group's)
+
+
+def run_held() -> None:
+    """Run every held call now, in order (each with its group's timeout); their errors wait for their wait()."""
+    while held_calls:
+        held_calls[0].run(None)
+
+
+def drop_held(comm: Any, error: BaseException) -> None:
+    """Fail the held calls of `comm` with `error` instead of running them (the group is aborted)."""
+    for held in [h for h in held_calls if h.comm is comm]:
+        held_calls.remove(held)
+        held.ran, held.error = True, error
+
+
+class Held:
+    """A blocking call held back until its Work is waited for, so that `wait(timeout)` bounds it.
+
+    A call made with async_op=True (torch's C++ callers, DDP's reducer
+    among them, always ask for that) runs as a blocking tcoll call when its
+    Work is first waited for, asked for its Future or polled, or when the
+    process makes any other call on a tcoll group, whichever comes first; so
+    calls run in the order they were made, on every rank. A timeout given to
+    `wait` bounds the call (and only that one); the calls held before it run
+    first, with their groups' timeouts.
+    """
+
+    __slots__ = ("comm", "start", "ran", "error")
+
+    def __init__(self, comm: Any, start: Callable[[bool], Any]) -> None:
+        self.comm, self.start = comm, start
+        self.ran = False
+        self.error: BaseException | None = None
+        held_calls.append(self)
+
+    def run(self, timeout: float | None) -> None:
+        """Run the calls held before this one, then this one, bounded by `timeout` (None: the group's)."""
+        while held_calls and not self.ran:
+            first = held_calls.pop(0)
+            first._run(timeout if first is self else None)
+
+    def _run(self, timeout: float | None) -> None:
+        self.ran = True
+        saved = self.comm.timeout
+        if timeout is not None:
+            self.comm.timeout = timeout
+        try:
+            self.start(False)
+        except TcollTimeout as exc:
+            self.error = timed_out(exc)
+            self.error.__cause__ = exc
+        except Exception as exc:  # noqa: BLE001 - kept for this call's wait(), as an asynchronous call's would be
+            self.error = exc
+        finally:
+            self.comm.timeout = saved
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.run(timeout)
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        self.run(None)
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self.error
 
 
 class TcollWork(dist._Work):
@@ -67,6 +154,8 @@ class TcollWork(dist._Work):
         """Wait for every tcoll Work, then run the finishing step; raise what failed."""
         if self._error is not None:
             raise self._error
+        if held_calls and not (self._pending and isinstance(self._pending[0], Held)):
+            run_held()  # what was held runs before this Work is waited for, as it would have run first
         budget = self._pg.comm.timeout if timeout is None else timeout
         while self._pending:
             work = self._pending[0]
@@ -77,6 +166,9 @@ class TcollWork(dist._Work):
                 if abort is not None:
                     abort(exc)
                 self._error, self._pending = exc, []
+                if isinstance(exc, TcollTimeout) and timed_out(exc) is not exc:
+                    self._error = timed_out(exc)
+                    raise self._error from exc
                 raise
             self._pending.pop(0)
         self._run_finish()
