@@ -64,14 +64,17 @@ class Running:
         label: the user's name for it ("all_reduce").
         stamp: what it is (tcoll.algos.stamps).
         quiet: this rank's part takes no point-to-point message (it runs on the arena).
+        later: (first, end) of the tags of the call's later steps, whose messages a quiet step keeps
+            for them (a program whose next step runs over point-to-point); (0, 0): none.
         work: the CollectiveWork of its current team step, if any (an alarm aborts it).
         told: an error that came from another rank's notice (so it is not told back).
     """
 
-    __slots__ = ("sequence", "label", "stamp", "quiet", "work", "told", "alarmed")
+    __slots__ = ("sequence", "label", "stamp", "quiet", "later", "work", "told", "alarmed")
 
     def __init__(self, sequence: int, label: str, stamp: int, quiet: bool) -> None:
         self.sequence, self.label, self.stamp, self.quiet = sequence, label, stamp, quiet
+        self.later = (0, 0)
         self.work: Any = None
         self.told: BaseException | None = None
         self.alarmed: BaseException | None = None  # an alarm about it, in case it finishes all the same

@@ -38,7 +38,7 @@ from ..p2p.engine import Engine
 from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.heap import heap_of
-from .agreement import Agreement, Running
+from .agreement import ARENA_TAGS, Agreement, Running
 from .choice import Chooser
 from .calls import Call, Prepared, Program
 
@@ -238,6 +238,9 @@ class Dispatcher:
             settle: the call is this one step: when it ends, tell the agreement (a program does it itself).
         """
         running.quiet = info.direct
+        # A step of a program on the arena keeps what peers already send for its later steps
+        # (phases 2k and 2k+2 begin steps k and k+1: 8 tags a phase), up to the arena's own tags.
+        running.later = (0, 0) if settle else ((phase + 2) * 8, ARENA_TAGS)
         if info.direct:
             self._on_arena(info, call, running, teams)
             if settle:

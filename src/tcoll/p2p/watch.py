@@ -50,7 +50,8 @@ class BlockWatch:
     """What one context's owner (a dispatcher) tells the engine about its calls, and how it is told back.
 
     Attributes:
-        calls: block -> the running call, an object with `stamp` (int) and `quiet` (bool: this rank
+        calls: block -> the running call, an object with `stamp` (int), `later` ((first, end) tags of its
+            later steps, kept while it is quiet) and `quiet` (bool: this rank
             takes no point-to-point message in it).
         high: the highest block started so far.
         failed: blocks whose call failed here (their late messages are dropped quietly).
@@ -80,7 +81,10 @@ class BlockWatch:
         if call is not None:
             if call.stamp != stamp:
                 return "mismatch"
-            return "quiet" if call.quiet else None
+            if not call.quiet:
+                return None
+            first, end = call.later
+            return None if first <= tag - (block << BLOCK_BITS) < end else "quiet"  # kept for a later step
         if block <= self.high:
             return "drop" if block in self.failed else "late"
         return None
