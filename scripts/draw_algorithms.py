@@ -30,6 +30,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for collective, infos in REGISTRY.items():
         for name, info in infos.items():
+            if info.hierarchical:  # steps of the algorithms drawn here, on teams of hosts: see docs/scaling.md
+                continue
             path = args.out / f"schedule-{collective}-{name}.svg"
             size = DIRECT_SIZES.get(collective, ["--size", "16"]) if info.direct else ["--size", "16"]
             code = cli.main(["trace", collective, "--algorithm", name, "-n", str(args.ranks), *size,
