@@ -1,11 +1,11 @@
 """Every shared-memory file tcoll makes: its name, creating and mapping it, removing it, sweeping leftovers.
 
-The shm transport's rings and a communicator's collective arena live in files
-under /dev/shm named ``tcoll-<run id>-<rank>-<token>``, removed as soon as every
-rank has mapped them. The zero-copy buffers of `Communicator.empty`, which
-readers map whenever they first meet one, are memfds of the same name found
-through /proc/<pid>/fd (files only where ranks of a host see different pid
-namespaces), so a killed rank leaves nothing behind. One convention, one way to create
+The shm transport's rings, a communicator's collective arena and the zero-copy
+buffers of `Communicator.empty` are memfds named ``tcoll-<run id>-<rank>-<token>``,
+which the other ranks open through /proc/<pid>/fd, so a killed rank leaves
+nothing behind. Only where the ranks of a host see different pid namespaces
+are they files of that name in /dev/shm, unlinked as soon as every rank has
+mapped them (rings, arena) or freed (buffers), and swept by the launchers. One convention, one way to create
 and map them, and one sweep, which `tcoll run` and `tcoll.spawn` use to
 remove what a finished run left behind.
 """
@@ -17,7 +17,7 @@ import os
 
 from .errors import TransportError
 
-__all__ = ["SHM_DIR", "Segment", "segment_name", "unlink", "remove_shm_segments", "find_anonymous",
+__all__ = ["SHM_DIR", "Segment", "segment_name", "new_segment", "unlink", "remove_shm_segments", "find_anonymous",
            "anonymous_link"]
 
 SHM_DIR = "/dev/shm"
@@ -83,7 +83,7 @@ class Segment:
             os.close(fd)
 
     @classmethod
-    def create_anonymous(cls, name: str, size: int) -> Segment:
+    def create_anonymous(cls, name: str, size: int, hint: str = "") -> Segment:
         """A segment with no file in /dev/shm: a memfd, found by others at /proc/<pid>/fd/<fd>.
 
         Its memory goes when this process has closed it (or died) and every
@@ -93,6 +93,7 @@ class Segment:
         Args:
             name: the name readers look for (the usual segment name).
             size: bytes (at least 1 is allocated).
+            hint: what may help when memory is short, added to the error.
 
         Raises:
             TransportError: memfd is not available or memory is short.
@@ -108,7 +109,8 @@ class Segment:
             segment = cls(f"/proc/{os.getpid()}/fd/{fd}", size, _map(fd, length))
         except OSError as exc:
             os.close(fd)
-            raise TransportError(f"cannot allocate {size} B of shared memory for {name}: {exc}") from exc
+            raise TransportError(f"cannot allocate {size} B of shared memory for {name}: {exc}"
+                                 + (f"; {hint}" if hint else "")) from exc
         segment.fd = fd
         return segment
 
@@ -145,6 +147,22 @@ class Segment:
             self.map.close()
         except BufferError:
             pass
+
+
+def new_segment(name: str, size: int, *, anonymous: bool, hint: str = "") -> Segment:
+    """A new segment called `name`: a memfd if `anonymous`, else a file in /dev/shm.
+
+    A memfd leaves nothing behind whatever kills its creator; its readers open
+    `segment.path` (/proc/<pid>/fd/<fd>) while the creator holds it, so use it
+    where every reader sees the creator's pid (one pid namespace). A file is
+    removed by `unlink` once every reader has mapped it, or by the launcher's sweep.
+
+    Raises:
+        TransportError: no memory (or no room in /dev/shm); nothing is left behind.
+    """
+    if anonymous:
+        return Segment.create_anonymous(name, size, hint)
+    return Segment.create(os.path.join(SHM_DIR, name), size, hint)
 
 
 def anonymous_link(name: str) -> str:

@@ -58,3 +58,40 @@ def test_zero_copy_buffers_are_memory_files_not_dev_shm_files() -> None:
     with pytest.raises(TransportError, match="cannot be mapped"):
         Heap("memfdtest", 1).view(0, heap_id, 0, 8)  # freed with its array
     heap.close()
+
+
+# Rank 0 creates the arena; rank 1, given its address, kills rank 0 (and itself) instead of mapping it.
+_KILLED_OPENING = """
+    import os, signal
+    import numpy as np
+    import tcoll
+    from tcoll.comm import dispatch
+
+    comm = tcoll.init(timeout=30)
+    if comm.rank == 0:
+        made = dispatch.create_segment
+
+        def create_and_tell(*args):
+            segment = made(*args)
+            open("created", "w").write(str(os.getpid()))
+            return segment
+
+        dispatch.create_segment = create_and_tell
+    else:
+        def kill_instead(path):
+            os.kill(int(open("created").read()), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        dispatch.open_segment = kill_instead
+    comm.all_reduce(np.ones(4), algorithm="shm")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_kill9_while_the_arena_opens_leaves_nothing(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(textwrap.dedent(_KILLED_OPENING))
+    run_id = f"opening{os.getpid()}"
+    codes = run_ranks(tmp_path, ["job.py"], 2, run_id)
+    assert codes == [-signal.SIGKILL] * 2
+    assert (tmp_path / "created").exists()
+    assert shm_segments(run_id) == []

@@ -402,7 +402,7 @@ class Dispatcher:
         if self.rank == 0:
             slot = agreed_slot(self.engine.settings.shm_slot, self.size)
             try:
-                segment = create_segment(self.run_id, self.engine.rank, self.size, slot)
+                segment = create_segment(self.run_id, self.engine.rank, self.size, slot, self.engine.host_shares_pids)
                 address = encode_address(slot, segment.path)
             except TransportError as exc:
                 failure = exc  # the others learn it from the empty address

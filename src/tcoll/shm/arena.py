@@ -36,7 +36,7 @@ from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
 from ..p2p import notice
 from ..p2p.waiting import FENCE_LOCK, Doorbell
-from ..segments import SHM_DIR, Segment, segment_name
+from ..segments import Segment, new_segment, segment_name
 
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
@@ -350,14 +350,17 @@ def agreed_slot(setting: int, size: int) -> int:
     return max(64 * size, (setting + 63) & ~63)
 
 
-def create_segment(run_id: str, world_rank: int, size: int, slot: int) -> Segment:
+def create_segment(run_id: str, world_rank: int, size: int, slot: int, anonymous: bool = True) -> Segment:
     """Create the segment of a new arena (rank 0 does, then tells the others its address).
 
+    Args:
+        anonymous: a memfd (every rank of the host sees rank 0's pid), else a file in /dev/shm.
+
     Raises:
-        TransportError: /dev/shm has no room.
+        TransportError: no room in memory or /dev/shm.
     """
-    path = os.path.join(SHM_DIR, segment_name(run_id, world_rank, "arena" + secrets.token_hex(6)))
-    return Segment.create(path, arena_bytes(size, slot), _HINT)
+    name = segment_name(run_id, world_rank, "arena" + secrets.token_hex(6))
+    return new_segment(name, arena_bytes(size, slot), anonymous=anonymous, hint=_HINT)
 
 
 def open_segment(path: str) -> Segment:

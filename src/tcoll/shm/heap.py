@@ -35,6 +35,7 @@ from ..segments import (
     Segment,
     anonymous_link,
     find_anonymous,
+    new_segment,
     segment_name,
     unlink,
 )
@@ -80,10 +81,7 @@ class Heap:
             raise TransportError("the communicator that owns this shared-memory heap is closed")
         # Never 0 (descriptors use it for "not lent"); the pid tells readers where to look.
         heap_id = (os.getpid() << _PID_SHIFT) | (secrets.randbits(_PID_SHIFT - 1) << 1) | 1
-        if self._anonymous:
-            segment = Segment.create_anonymous(self._name(self._rank, heap_id), nbytes)
-        else:
-            segment = Segment.create(self._path(self._rank, heap_id), nbytes)
+        segment = new_segment(self._name(self._rank, heap_id), nbytes, anonymous=self._anonymous)
         arr = np.frombuffer(segment.map, dtype=np.uint8, count=nbytes)
         with self._lock:
             self._own[heap_id] = (arr.__array_interface__["data"][0], nbytes,

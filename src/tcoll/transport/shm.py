@@ -34,7 +34,7 @@ from ..p2p.hosts import host_identity
 from ..p2p.channel import HEADER, MAGIC, Channel, pack_header, unpack_header
 from ..p2p.waiting import FUTEX_AVAILABLE, Doorbell
 from ..p2p.work import RecvWork, SendWork, Work
-from ..segments import SHM_DIR, Segment, segment_name
+from ..segments import SHM_DIR, Segment, new_segment, segment_name
 from .base import Card, Transport
 
 __all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR"]
@@ -125,16 +125,19 @@ class ShmTransport(Transport):
         ring = _ring_bytes(self.settings.shm_ring, len(local))
         stride = _RING_CTL + ring
         name = segment_name(self.run_id, me, secrets.token_hex(4))
+        # A memfd, which nothing outlives, where every peer can open it through /proc/<our pid>.
+        pidns = cards[me].get("pidns")
+        anonymous = bool(pidns) and all(cards[peer].get("pidns") == pidns for peer in peers)
         try:
             # One inbound ring per peer, in the order of the peers' ranks.
-            self._own = Segment.create(os.path.join(SHM_DIR, name), _CONTROL + stride * len(peers), _HINT)
-            store.set(f"segment/{me}", f"{name}:{ring}".encode())
+            self._own = new_segment(name, _CONTROL + stride * len(peers), anonymous=anonymous, hint=_HINT)
+            store.set(f"segment/{me}", f"{self._own.path}:{ring}".encode())
             for peer in peers:
-                peer_name, _, peer_ring = store.get(f"segment/{peer}", timeout).decode().rpartition(":")
+                peer_path, _, peer_ring = store.get(f"segment/{peer}", timeout).decode().rpartition(":")
                 if int(peer_ring) != ring:
                     raise TransportError(f"rank {peer} sized its shm rings {peer_ring} B, rank {me} {ring} B; "
                                          "set TCOLL_SHM_RING alike on every rank")
-                self._peers[peer] = Segment.open(os.path.join(SHM_DIR, peer_name))
+                self._peers[peer] = Segment.open(peer_path)
             store.set(f"mapped/{me}", b"1")
             store.wait([f"mapped/{peer}" for peer in peers], timeout)
         finally:
