@@ -628,3 +628,33 @@ def ddp_and_fsdp(rank: int, size: int, port: int) -> None:
     """`ddp`, then `fsdp`, in one start of the ranks."""
     ddp(rank, size, port)
     fsdp(rank, size, port)
+
+
+# -- ranks that disagree -------------------------------------------------------------------------
+
+
+def disagreements(rank: int, size: int, port: int) -> None:
+    """Each call on which the ranks disagree raises on every rank; the call after it is right on every rank."""
+    init(rank, size, port)
+    last = rank == size - 1
+    cases = {
+        "op": lambda: dist.all_reduce(torch.ones(4), op=R.MAX if last else R.SUM),
+        "dtype": lambda: dist.all_reduce(torch.ones(4, dtype=torch.float32 if last else torch.int32)),
+        "root": lambda: dist.broadcast(torch.ones(4), src=size - 1 if last else 0),
+        # a local error on rank 0 only (BAND does not apply to floats): its call still counts
+        "local": lambda: dist.all_reduce(torch.ones(4), op=R.BAND if rank == 0 else R.SUM),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - torch may wrap tcoll's error; its text must say what happened
+            text = str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: the '{name}' disagreement returned without an error")
+        named = ("where rank" in text or "disagree" in text or "failed this call" in text
+                 or (name == "local" and rank == 0))
+        assert named, (rank, name, text)
+        after = torch.full((3,), float(rank + 1))
+        dist.all_reduce(after)
+        assert torch.equal(after, torch.full((3,), size * (size + 1) / 2)), (rank, name, after)
+    dist.destroy_process_group()

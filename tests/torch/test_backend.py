@@ -76,3 +76,9 @@ def test_collectives_2_and_4_ranks(size: int, transport: str, monkeypatch: pytes
     """The blocking suite on 2 ranks over TCP and on 4 ranks over shared memory."""
     monkeypatch.setenv("TCOLL_TRANSPORT", transport)
     torch_workers.spawn(torch_workers.collectives_quick, size, free_port())
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_disagree_all_get_an_error_and_nothing_shifts() -> None:
+    """op, dtype, root, and a local error on one rank, through dist.*: every rank raises, the next call is right."""
+    torch_workers.spawn(torch_workers.disagreements, 3, free_port())
