@@ -16,9 +16,13 @@ from tcoll.p2p import notice
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 JOB = """
-    import os, time, numpy as np, tcoll
-    if os.environ["RANK"] == "2":
-        time.sleep(1.5)                              # late to the rendezvous
+    import os, pathlib, time, numpy as np, tcoll
+    if os.environ["RANK"] == "2":                    # late to the rendezvous: 1.5 s after the others reach it
+        while not all(pathlib.Path(f"meeting{r}").exists() for r in (0, 1)):
+            time.sleep(0.01)
+        time.sleep(1.5)                              # the delay under test, not a synchronisation
+    else:
+        pathlib.Path(f"meeting{os.environ['RANK']}").touch()
     comm = tcoll.init()
     x = np.ones(8, dtype=np.float32)
     comm.all_reduce(x)                               # opens the arena
