@@ -48,7 +48,7 @@ from . import worlds
 from .sparse import all_reduce_sparse
 from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, fill, finisher, np_bytes, np_view,
                       pieces, reduce_source, reduce_target, row_bytes)
-from .work import Finish, Held, TcollWork, chain, drop_held, each, held_calls, result_of, run_held, seconds, timed_out
+from .work import Finish, Held, TcollWork, chain, completed, drop_held, each, held_calls, result_of, run_held, seconds, timed_out
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
@@ -62,10 +62,11 @@ _OP_NAMES = {
 _U8 = torch.uint8
 _STRIDED = torch.strided
 # The ops and dtypes tcoll reduces as torch means them, with no copy or finishing step.
-_SIMPLE_OPS = {k: v for k, v in _OP_NAMES.items() if k not in (_RedOp.PREMUL_SUM, _RedOp.AVG)}
+# Keyed by the op's value: hashing torch's enum costs more than a small call's whole bookkeeping.
+_SIMPLE_OPS = {k.value: v for k, v in _OP_NAMES.items() if k not in (_RedOp.PREMUL_SUM, _RedOp.AVG)}
 _SIMPLE_DTYPES = NATIVE
 _AVG_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float64}  # where an average cannot overflow
-_VIEWS, _VIEW_BYTES = 32, 64 << 10  # small tensors whose arrays are kept (_view)
+_PLANS, _PLAN_BYTES = 32, 64 << 10  # small tensors whose all_reduce plans are kept (_all_reduce_now)
 _INTERNAL_TAG = 1 << 61  # tags of the backend's own messages: far above any tag a torch program uses
 _INTERNAL_TAGS = 1 << 60
 
@@ -96,7 +97,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._sequence = 0
         self._chain_tag = 0  # reduce calls so far (their tags, above the users' tags)
         self._chunk = Settings.from_env().coll_chunk  # bytes per message of the reduce chain
-        self._views: dict[tuple[int, int, torch.dtype], Any] = {}  # see _view
+        self._plans: dict[tuple[int, int, torch.dtype, str], Any] = {}  # see _all_reduce_now
 
     # -- identity -------------------------------------------------------------------
 
@@ -172,7 +173,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         """Run `start(async_op)`: blocking calls return [] once done; async ones the tcoll Works they started;
         with async_op None, the call is held until its Work is waited for (`Held`)."""
         if self.comm.closed:
-            raise TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")
+            raise self._shut_down()
         if held_calls:
             run_held()
         self._sequence += 1
@@ -235,22 +236,21 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceOptions()
         if len(tensors) == 1:  # the common case, kept short: it is DDP's and the latency benchmark's
             t = tensors[0]
-            name = _SIMPLE_OPS.get(opts.reduceOp.op)
-            if name is not None and t.dtype in _SIMPLE_DTYPES and t.layout is _STRIDED and t.is_contiguous() \
-                    and not self.comm.closed:
+            name = _SIMPLE_OPS.get(opts.reduceOp.op.value)
+            if name is not None and t.layout is _STRIDED and t.dtype in _SIMPLE_DTYPES and t.is_contiguous():
+                if not opts.asyncOp and not held_calls:  # dist.all_reduce(t): run it now
+                    self._sequence += 1
+                    self._all_reduce_now(t, name)
+                    return completed(self, tensors)
                 mode = _async_requested(opts)
                 if mode is None:
-                    return self._issue(tensors, lambda _: self.comm.all_reduce(self._view(t), name), None)
-                if held_calls:
-                    run_held()
-                self._sequence += 1
-                if mode:
-                    return TcollWork(self, tensors, [self.comm.all_reduce(self._view(t), name, async_op=True)])
-                try:
-                    self.comm.all_reduce(self._view(t), name)
-                except TcollTimeout as exc:
-                    raise timed_out(exc) from exc
-                return TcollWork(self, tensors)
+                    return self._issue(tensors, lambda _: self._all_reduce_now(t, name), None)
+                if mode and not self.comm.closed:
+                    if held_calls:
+                        run_held()
+                    self._sequence += 1
+                    return TcollWork(self, tensors, [self.comm.all_reduce(np_view(t), name, async_op=True)])
+                return self._issue(tensors, lambda _: self._all_reduce_now(t, name), False)
         if any(t.is_sparse for t in tensors):  # gloo's way: gather every rank's entries, coalesce
             def start_sparse(_: bool) -> list[Any]:
                 for t in tensors:
@@ -570,23 +570,46 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     # -- helpers ----------------------------------------------------------------------
 
-    def _view(self, t: torch.Tensor) -> Any:
-        """np_view(t); for a small tensor, the same array each time the tensor comes again.
+    def _all_reduce_now(self, t: torch.Tensor, name: str) -> None:
+        """A blocking tcoll all_reduce of `t`'s memory; a small tensor's is a persistent plan kept for it.
 
-        A new array per call costs tcoll more than a small call itself (measured: about
-        as much as the rest of the backend's work). An array holds its tensor's memory,
-        so only small tensors are kept, at most _VIEWS of them; an entry is found
-        by address, size and dtype, which only the same memory can match while it lives.
+        Checking and binding a call costs more than a small call itself
+        (measured: about as much as the rest of the backend's work), and
+        DDP's buckets and a latency loop reduce the same tensors again and
+        again. A plan holds its tensor's memory, so only small tensors get
+        one, at most _PLANS of them; a plan is found by address, size, dtype
+        and op, which only the same memory can match while the plan lives.
+
+        Raises:
+            TimeoutError: worded as torch's backends word it (`timed_out`).
+            TcollError: the group is shut down, or the call failed.
         """
-        if t.numel() * t.element_size() > _VIEW_BYTES:
-            return np_view(t)
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        arr = self._views.get(key)
-        if arr is None:
-            if len(self._views) >= _VIEWS:
-                self._views.clear()
-            arr = self._views[key] = np_view(t)
-        return arr
+        try:
+            nbytes = t.numel() * t.element_size()
+            if nbytes > _PLAN_BYTES:
+                self.comm.all_reduce(np_view(t), name)
+                return
+            key = (t.data_ptr(), nbytes, t.dtype, name)
+            plan = self._plans.get(key)
+            if plan is None:
+                try:
+                    plan = self.comm.all_reduce_init(np_view(t), name)
+                except Exception:  # noqa: BLE001 - the ordinary call raises it, and tells the other ranks
+                    self.comm.all_reduce(np_view(t), name)  # (a plan's checks are local: the others would wait)
+                    return
+                if len(self._plans) >= _PLANS:
+                    self._plans.clear()
+                self._plans[key] = plan
+            plan()
+        except TcollTimeout as exc:
+            raise timed_out(exc) from exc
+        except TcollError as exc:
+            if self.comm.closed:
+                raise self._shut_down() from exc
+            raise
+
+    def _shut_down(self) -> TcollError:
+        return TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")
 
     def _check_count(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         if len(tensors) != self.comm.size:
