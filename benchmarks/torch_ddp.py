@@ -10,6 +10,10 @@ run wraps a freshly seeded model in DistributedDataParallel on that group,
 takes 3 warm-up steps, then times `--steps` steps (forward, backward with
 DDP's bucketed all-reduces, SGD step); the slowest rank's mean is the run's
 time. The table shows the median over the runs as steps per second.
+"no DDP" runs the same steps on the same ranks at the same time without
+DDP (no communication): the most any backend could reach. The last two
+columns are what each backend adds to a step over it: DDP's all-reduces and
+their waiting.
 
 Models (float32, batch 32 per rank):
 - mlp: 64-1024-1024-64 with ReLU, about 1.2 M parameters (5 MB of gradients, several buckets);
@@ -32,7 +36,7 @@ import sys
 import tempfile
 import time
 
-BACKENDS = ("tcoll", "gloo")
+BACKENDS = ("tcoll", "gloo", "local")  # local: the same step without DDP, no communication
 MODELS = ("mlp", "transformer")
 
 
@@ -58,13 +62,14 @@ def _worker(rank: int, size: int, port: int, models: list[str], runs: int, steps
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("tcoll", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=600))
-    groups = {"tcoll": dist.group.WORLD, "gloo": dist.new_group(list(range(size)), backend="gloo")}
+    groups = {"tcoll": dist.group.WORLD, "gloo": dist.new_group(list(range(size)), backend="gloo"),
+              "local": dist.group.WORLD}
     times = {m: {b: [] for b in BACKENDS} for m in models}
     for _ in range(runs):
         for name in models:
             for backend in BACKENDS:
                 net, x, y = _model(name)
-                model = DDP(net, process_group=groups[backend])
+                model = net if backend == "local" else DDP(net, process_group=groups[backend])
                 opt = torch.optim.SGD(model.parameters(), lr=0.001)
 
                 def step() -> None:
@@ -113,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     models = [m for m in args.models.split(",") if m]
-    print("model | ranks | tcoll (steps/s) | gloo (steps/s) | tcoll vs gloo")
-    print("---|---:|---:|---:|---:")
+    print("model | ranks | tcoll (steps/s) | gloo (steps/s) | tcoll vs gloo | no DDP (steps/s) "
+          "| tcoll ms/step over no DDP | gloo ms/step over no DDP")
+    print("---|---:|---:|---:|---:|---:|---:|---:")
     for ranks in (int(r) for r in args.ranks.split(",")):
         result = measure(ranks, models, args.runs, args.steps)
         for name in models:
-            t, g = result[name]["tcoll"], result[name]["gloo"]
-            print(f"{name} | {ranks} | {1 / t:.1f} | {1 / g:.1f} | {g / t:.2f}x", flush=True)
+            t, g, none = result[name]["tcoll"], result[name]["gloo"], result[name]["local"]
+            print(f"{name} | {ranks} | {1 / t:.1f} | {1 / g:.1f} | {g / t:.2f}x | {1 / none:.1f} | "
+                  f"{(t - none) * 1e3:.2f} | {(g - none) * 1e3:.2f}", flush=True)
     return 0
 
 

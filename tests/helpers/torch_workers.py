@@ -409,6 +409,46 @@ def check_failed_work() -> None:
         assert work.is_completed() and not work.is_success() and work.exception() is _Failing.error
 
 
+def check_repeated_all_reduce(rank: int, size: int) -> None:
+    """The same tensors all-reduced again and again (the backend keeps a plan per small tensor): new contents,
+    other ops, other dtypes and shapes over the same memory, tensors freed and made anew, more than it keeps."""
+    base = torch.zeros(64)
+    for step, op in enumerate((R.SUM, R.MAX, R.SUM, R.MIN, R.PRODUCT, R.SUM)):
+        small = op == R.PRODUCT
+        base.copy_(data(rank, (64,), torch.float32, salt=step, small=small))  # new contents, same memory
+        dist.all_reduce(base, op=op)
+        want = expected(op, [data(r, (64,), torch.float32, salt=step, small=small) for r in range(size)], size)
+        same(base, want, f"repeated all_reduce step {step} {op}")
+    for what, view in (("int32 view", base.view(torch.int32)), ("2-d view", base.view(8, 8)),
+                       ("first half", base[:32]), ("second half", base[32:])):
+        view.copy_(data(rank, tuple(view.shape), view.dtype, salt=len(what)))
+        dist.all_reduce(view)
+        want = expected(R.SUM, [data(r, tuple(view.shape), view.dtype, salt=len(what)) for r in range(size)], size)
+        same(view, want, f"all_reduce of the {what} of a reduced tensor")
+    for i in range(40):  # more tensors than plans kept; freed ones' memory comes back as new tensors
+        dtype = (torch.float32, torch.int64, torch.float64)[i % 3]
+        t = data(rank, (3 + i % 5,), dtype, salt=i)
+        dist.all_reduce(t)
+        same(t, expected(R.SUM, [data(r, (3 + i % 5,), dtype, salt=i) for r in range(size)], size),
+             f"all_reduce of fresh tensor {i}")
+
+
+def check_shut_down_group(rank: int, size: int) -> None:
+    """A group that was shut down says so, in the fast path of all_reduce too; the world goes on."""
+    group = dist.new_group(list(range(size)))
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)
+    group.shutdown()
+    try:
+        dist.all_reduce(t, group=group)
+    except tcoll.TcollError as exc:
+        assert "shut down" in str(exc), str(exc)
+    else:
+        raise AssertionError("all_reduce on a group that was shut down returned")
+    dist.all_reduce(t)
+    same(t, torch.full((4,), float(size * size)), "all_reduce on the world after a subgroup's shutdown")
+
+
 def collectives(rank: int, size: int, port: int) -> None:
     """The whole collective and point-to-point suite, blocking and with async_op, in both call modes."""
     init(rank, size, port)
@@ -430,9 +470,11 @@ def collectives_quick(rank: int, size: int, port: int) -> None:
     init(rank, size, port)
     check_reduce_roots_and_shapes(rank, size)
     check_reductions(rank, size, False)
+    check_repeated_all_reduce(rank, size)
     check_movement(rank, size, False)
     check_p2p(rank, size)
     check_objects_groups(rank, size)
+    check_shut_down_group(rank, size)
     dist.destroy_process_group()
 
 
