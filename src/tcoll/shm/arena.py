@@ -35,13 +35,19 @@ import numpy as np
 from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
 from ..p2p import notice
-from ..p2p.waiting import FENCE_LOCK, Doorbell
+from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
+from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell, address_of
 from ..segments import Segment, new_segment, segment_name
+
+try:  # the small reduction step in C (tcoll/_arena_kernel.c), built with the package where a compiler is
+    from .. import _arena_kernel as kernel_module
+except ImportError:  # pragma: no cover - built without it: the same steps run in Python
+    kernel_module = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment",
+__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment",
            "encode_address", "decode_address"]
 
 SETS = 2  # slot sets: step k uses set k % SETS
@@ -52,6 +58,10 @@ _WORD = (1 << 64) - 1
 ADDRESS_BYTES = 128  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>"
 _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
+# What the C kernel reduces (codes of tcoll/_arena_kernel.c); anything else is reduced in Python.
+KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
+    (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))}
+KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later
 
 
 class Arena:
@@ -95,6 +105,18 @@ class Arena:
         self.stamp, self.sequence, self.label = 0, 0, "collective"  # the call under way (see begin)
         self.first = 0  # its first step
         self.alarm: BaseException | None = None  # what the dispatcher learnt meanwhile: the wait raises it
+        self.kernel = self._make_kernel(buf, desc_at, data_at)
+        spin = engine.spin  # the C kernel polls at most this long (then Python waits, as _wait does)
+        self.kernel_spin_ns = int((spin.max_s if spin.oversubscribed else spin.fast_s) * 1e9)
+        self.kernel_yields = spin.oversubscribed
+
+    def _make_kernel(self, buf: Any, desc_at: int, data_at: int) -> Any:
+        """The C kernel of the small reduction step over this mapping, or None (not built, or no futex)."""
+        if kernel_module is None or not FUTEX_AVAILABLE or len(self._bells) != self.size - 1:
+            return None
+        bells = [bell.address for bell in self._bells]
+        return kernel_module.Kernel(address_of(buf, 0), address_of(buf, desc_at), address_of(buf, data_at),
+                                    self.size, self.rank, self.slot_bytes, bells)
 
     # -- setup --------------------------------------------------------------------
 
@@ -114,6 +136,7 @@ class Arena:
         segment, self._segment = self._segment, None
         if segment is None:
             return
+        self.kernel = None  # it holds addresses in the mapping closed below
         self._counters.release()
         self._desc.release()
         self._slots = []
@@ -203,6 +226,21 @@ class Arena:
         else:
             desc[at + 3], desc[at + 4], desc[at + 5] = heap_ref
         return step
+
+    def run_small(self, buf: np.ndarray, dtype: int, op: int, want: bool) -> int:
+        """The call's one step in the C kernel: claim, describe, copy in, publish, and if every rank
+        comes within the kernel's spin, agree and reduce into `buf` (if `want`).
+
+        Returns:
+            kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the reduction are
+            left to the caller; NOT_STARTED: nothing happened (the caller runs the step in Python).
+        """
+        step = self.step
+        state = self.kernel.run(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
+                                self.kernel_yields, want)
+        if state:
+            self.step, self.first = step + 1, step
+        return state
 
     def agree(self, step: int) -> None:
         """Wait until every rank published the call's first `step`; raise MismatchError if one described another."""

@@ -92,7 +92,7 @@ class RecordingArena:
     """The Arena interface (tcoll.shm.arena.Arena) for one rank of a recording: waits return at once.
 
     Attributes:
-        rank, size, slot_bytes, step, first, heap (None: nothing is lent), as on Arena.
+        rank, size, slot_bytes, step, first, heap (None: nothing is lent), kernel (None), as on Arena.
         seen: per rank, the highest step this rank waited for it to publish (-1: none).
         published: the steps this rank published, so far.
     """
@@ -102,6 +102,7 @@ class RecordingArena:
         self.rank, self.size, self.slot_bytes = rank, schedule.size, slot_bytes
         self.step = self.first = 0
         self.heap = None
+        self.kernel = None  # the schedule is the one the Python steps (which the C kernel mirrors) take
         self.timeout = 0.0
         self.seen = [-1] * self.size
         self.published = 0

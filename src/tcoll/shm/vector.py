@@ -26,7 +26,9 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
-from .arena import Arena
+from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, kernel_module
+
+DONE, PUBLISHED = (kernel_module.DONE, kernel_module.PUBLISHED) if kernel_module is not None else (2, 1)
 
 __all__ = ["SMALL_BYTES", "all_reduce", "reduce", "broadcast", "barrier"]
 
@@ -84,13 +86,29 @@ def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None, what
 
 
 def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
-    """One step: every rank writes its vector; each rank that wants the result reduces all slots."""
+    """One step: every rank writes its vector; each rank that wants the result reduces all slots.
+
+    The C kernel runs the step when it is built and takes the dtype and op;
+    where it stops (a late peer, a descriptor that differs), Python goes on.
+    """
+    want = root is None or arena.rank == root
+    if arena.kernel is not None:
+        dtype, code = KERNEL_DTYPES.get(buf.dtype), KERNEL_OPS.get(op)
+        if dtype is not None and code is not None:
+            state = arena.run_small(buf, dtype, code, want)
+            if state == DONE:
+                return
+            if state == PUBLISHED:
+                arena.agree(arena.first)
+                if want:
+                    op.combine_all(arena.typed_slots(arena.first, buf.dtype, buf.nbytes), buf)
+                return
     step = arena.first_step()
     slots = arena.typed_slots(step, buf.dtype, buf.nbytes)
     slots[arena.rank][...] = buf
     arena.publish(step)
     arena.agree(step)
-    if root is None or arena.rank == root:
+    if want:
         op.combine_all(slots, buf)
 
 

@@ -1,0 +1,322 @@
+/* The one-step shared-memory reduction of tcoll's arena, in C: the hot path of small calls.
+ *
+ * tcoll.shm.vector's small all_reduce / reduce is one arena step: claim the
+ * step, describe the call, copy this rank's vector into its slot, publish,
+ * wait for every rank, check that every rank describes the same call, and
+ * reduce the slots in rank order. In Python that is about two microseconds of
+ * interpreter work around a few hundred nanoseconds of memory traffic; here it
+ * is one call. The protocol, the memory layout and every decision that is not
+ * the happy path stay in Python (tcoll/shm/arena.py): this kernel only spins
+ * for a short, bounded time, and whenever something is not ready (a slow peer,
+ * a descriptor that differs) it returns how far it got, and Python goes on
+ * from there with its full waiting, liveness and error reporting.
+ *
+ * Reductions follow NumPy's ufuncs exactly: left to right in rank order, no
+ * reassociation (built without -ffast-math), integers wrap, min/max propagate
+ * NaN as np.minimum/np.maximum do.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <math.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SETS 2
+#define DESC_WORDS 8
+#define MAX_BELLS 1024
+
+/* What run() returns: how far the step got (see tcoll.shm.arena.Arena.run_small). */
+enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2 };
+
+/* dtype codes (tcoll.shm.arena.KERNEL_DTYPES) and op codes (KERNEL_OPS) */
+enum { F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, NDTYPES };
+enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_BAND, OP_BOR, OP_BXOR, NOPS };
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *counters;
+    uint64_t *desc;
+    uint8_t *data;
+    int size;
+    int rank;
+    Py_ssize_t slot_bytes;
+    int nbells;
+    uint32_t *bells[MAX_BELLS];
+} Kernel;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t min_counter(const Kernel *k) {
+    uint64_t low = UINT64_MAX;
+    for (int q = 0; q < k->size; q++) {
+        uint64_t c = __atomic_load_n(&k->counters[q], __ATOMIC_ACQUIRE);
+        if (c < low) low = c;
+    }
+    return low;
+}
+
+/* Poll until every counter reaches `target` or `budget_ns` passes; yields the core at each poll if asked. */
+static int wait_all(const Kernel *k, uint64_t target, uint64_t budget_ns, int yield) {
+    if (min_counter(k) >= target) return 1;
+    if (budget_ns == 0) return 0;
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS  /* ranks that are threads of one process must be able to publish meanwhile */
+    uint64_t start = now_ns();
+    for (;;) {
+        if (min_counter(k) >= target) { ok = 1; break; }
+        if (now_ns() - start >= budget_ns) break;
+        if (yield) sched_yield();
+        else cpu_relax();
+    }
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+/* Wake the peers that sleep on their doorbells: FUTEX_WAKE_OP bumps the sequence and wakes, as Doorbell.wake. */
+static void ring_sleepers(const Kernel *k) {
+    const int op = (FUTEX_OP_ADD << 28) | (FUTEX_OP_CMP_EQ << 24) | (1 << 12);
+    for (int i = 0; i < k->nbells; i++) {
+        uint32_t *bell = k->bells[i];
+        if (__atomic_load_n(&bell[1], __ATOMIC_ACQUIRE))
+            syscall(SYS_futex, bell, FUTEX_WAKE_OP, INT_MAX, (void *)(intptr_t)INT_MAX, bell, op);
+    }
+}
+
+#define COMBINE_LOOP(T, EXPR)                                                   \
+    do {                                                                        \
+        T *o = (T *)out;                                                        \
+        const T *a = (const T *)lower;                                          \
+        const T *b = (const T *)higher;                                         \
+        for (Py_ssize_t i = 0; i < n; i++) { T x = a[i], y = b[i]; o[i] = (EXPR); } \
+    } while (0)
+
+/* NumPy's np.minimum / np.maximum: a NaN first operand wins, then the comparison; on a tie the second
+ * operand (so minimum(0.0, -0.0) is -0.0 and minimum(-0.0, 0.0) is 0.0, as NumPy gives). */
+#define FMIN(x, y) (((x) < (y) || isnan(x)) ? (x) : (y))
+#define FMAX(x, y) (((x) > (y) || isnan(x)) ? (x) : (y))
+
+#define FLOAT_OPS(T)                                                            \
+    switch (op) {                                                               \
+    case OP_SUM: COMBINE_LOOP(T, x + y); return 1;                              \
+    case OP_PROD: COMBINE_LOOP(T, x * y); return 1;                             \
+    case OP_MIN: COMBINE_LOOP(T, FMIN(x, y)); return 1;                         \
+    case OP_MAX: COMBINE_LOOP(T, FMAX(x, y)); return 1;                         \
+    default: return 0;                                                          \
+    }
+
+/* Integers: sums and products in the unsigned type of the same width, so that they wrap as NumPy's do. */
+#define INT_OPS(T, U)                                                           \
+    switch (op) {                                                               \
+    case OP_SUM: COMBINE_LOOP(T, (T)((U)x + (U)y)); return 1;                   \
+    case OP_PROD: COMBINE_LOOP(T, (T)((U)x * (U)y)); return 1;                  \
+    case OP_MIN: COMBINE_LOOP(T, x < y ? x : y); return 1;                      \
+    case OP_MAX: COMBINE_LOOP(T, x > y ? x : y); return 1;                      \
+    case OP_BAND: COMBINE_LOOP(T, x & y); return 1;                             \
+    case OP_BOR: COMBINE_LOOP(T, x | y); return 1;                              \
+    case OP_BXOR: COMBINE_LOOP(T, x ^ y); return 1;                             \
+    default: return 0;                                                          \
+    }
+
+/* out = lower op higher, elementwise over n items (out may alias lower). */
+static int combine(int dtype, int op, void *out, const void *lower, const void *higher, Py_ssize_t n) {
+    switch (dtype) {
+    case F32: FLOAT_OPS(float)
+    case F64: FLOAT_OPS(double)
+    case I8: INT_OPS(int8_t, uint8_t)
+    case I16: INT_OPS(int16_t, uint16_t)
+    case I32: INT_OPS(int32_t, uint32_t)
+    case I64: INT_OPS(int64_t, uint64_t)
+    case U8: INT_OPS(uint8_t, uint8_t)
+    case U16: INT_OPS(uint16_t, uint16_t)
+    case U32: INT_OPS(uint32_t, uint32_t)
+    case U64: INT_OPS(uint64_t, uint64_t)
+    default: return 0;
+    }
+}
+
+static const Py_ssize_t ITEMSIZE[NDTYPES] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
+
+static uint8_t *slot_of(const Kernel *k, int rank, uint64_t step) {
+    return k->data + ((Py_ssize_t)(step % SETS) * k->size + rank) * k->slot_bytes;
+}
+
+/* Kernel(counters, desc, data, size, rank, slot_bytes, bells): addresses in a mapping the Arena keeps alive. */
+static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
+    (void)kwds;
+    unsigned long long counters, desc, data;
+    Py_ssize_t slot_bytes;
+    PyObject *bells;
+    if (!PyArg_ParseTuple(args, "KKKiinO", &counters, &desc, &data, &self->size, &self->rank, &slot_bytes, &bells))
+        return -1;
+    PyObject *seq = PySequence_Fast(bells, "bells must be a sequence of addresses");
+    if (seq == NULL) return -1;
+    Py_ssize_t nbells = PySequence_Fast_GET_SIZE(seq);
+    if (nbells > MAX_BELLS || self->size < 1 || self->rank < 0 || self->rank >= self->size || slot_bytes < 1) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "arena kernel: bad size, rank, slot or number of doorbells");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nbells; i++) {
+        unsigned long long address = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) { Py_DECREF(seq); return -1; }
+        self->bells[i] = (uint32_t *)(uintptr_t)address;
+    }
+    Py_DECREF(seq);
+    self->nbells = (int)nbells;
+    self->counters = (uint64_t *)(uintptr_t)counters;
+    self->desc = (uint64_t *)(uintptr_t)desc;
+    self->data = (uint8_t *)(uintptr_t)data;
+    self->slot_bytes = slot_bytes;
+    return 0;
+}
+
+/* run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want) -> NOT_STARTED, PUBLISHED or DONE
+ *
+ * buf: a writable C-contiguous buffer of at most slot_bytes; stamp: the call's 128-bit stamp (int).
+ * NOT_STARTED: the step's slot set was still in use after spin_ns; nothing was written.
+ * PUBLISHED: this rank's part of `step` is written and published (its peers were woken); Python waits
+ *     for the others, checks the descriptors and reduces (tcoll.shm.arena.Arena.agree).
+ * DONE: every rank published the same call and, if `want`, buf holds the reduction.
+ */
+static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
+
+static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObject *stamp, uint64_t sequence) {
+    uint64_t low = PyLong_AsUnsignedLongLongMask(stamp);
+    PyObject *shifted = PyNumber_Rshift(stamp, SIXTY_FOUR);
+    if (shifted == NULL) return -1;
+    uint64_t high = PyLong_AsUnsignedLongLongMask(shifted);
+    Py_DECREF(shifted);
+    if (PyErr_Occurred()) return -1;
+    uint64_t *desc = k->desc + ((Py_ssize_t)(step % SETS) * k->size + k->rank) * DESC_WORDS;
+    desc[0] = low;
+    desc[1] = high;
+    desc[2] = sequence;
+    desc[3] = 0;  /* no zero-copy buffer: small calls always copy */
+    memcpy(slot_of(k, k->rank, step), view->buf, (size_t)view->len);
+    __atomic_store_n(&k->counters[k->rank], step + 1, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
+    ring_sleepers(k);
+    return 0;
+}
+
+/* Whether every rank's descriptor of `step` names this call (stamp and sequence) as this rank's does. */
+static int descriptors_agree(const Kernel *k, uint64_t step) {
+    const uint64_t *base = k->desc + (Py_ssize_t)(step % SETS) * k->size * DESC_WORDS;
+    const uint64_t *mine = base + (Py_ssize_t)k->rank * DESC_WORDS;
+    for (int q = 0; q < k->size; q++) {
+        const uint64_t *theirs = base + (Py_ssize_t)q * DESC_WORDS;
+        if (theirs[0] != mine[0] || theirs[1] != mine[1] || theirs[2] != mine[2]) return 0;
+    }
+    return 1;
+}
+
+static int reduce_slots(const Kernel *k, uint64_t step, int dtype, int op, void *out, Py_ssize_t n) {
+    if (k->size == 1) {
+        memcpy(out, slot_of(k, 0, step), (size_t)(n * ITEMSIZE[dtype]));
+        return 1;
+    }
+    if (!combine(dtype, op, out, slot_of(k, 0, step), slot_of(k, 1, step), n)) return 0;
+    for (int q = 2; q < k->size; q++)
+        combine(dtype, op, out, out, slot_of(k, q, step), n);
+    return 1;
+}
+
+static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want)");
+        return NULL;
+    }
+    int dtype = (int)PyLong_AsLong(args[1]);
+    int op = (int)PyLong_AsLong(args[2]);
+    uint64_t step = PyLong_AsUnsignedLongLong(args[3]);
+    uint64_t sequence = PyLong_AsUnsignedLongLong(args[5]);
+    uint64_t spin_ns = PyLong_AsUnsignedLongLong(args[6]);
+    int yield = PyObject_IsTrue(args[7]);
+    int want = PyObject_IsTrue(args[8]);
+    if (PyErr_Occurred()) return NULL;
+    if (dtype < 0 || dtype >= NDTYPES || op < 0 || op >= NOPS) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: unknown dtype or op code");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;  /* PyBUF_SIMPLE: contiguous */
+    if (view.len > self->slot_bytes || view.len % ITEMSIZE[dtype]) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "arena kernel: the buffer does not fit a slot or its dtype");
+        return NULL;
+    }
+    long state = NOT_STARTED;
+    if (step >= 1 && !wait_all(self, step, spin_ns, yield))  /* claim: every rank is done with step - 2 */
+        goto out;
+    if (publish_step(self, &view, step, args[4], sequence) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    state = PUBLISHED;
+    if (!wait_all(self, step + 1, spin_ns, yield) || !descriptors_agree(self, step))
+        goto out;
+    if (want && !reduce_slots(self, step, dtype, op, view.buf, view.len / ITEMSIZE[dtype]))
+        goto out;  /* an op this dtype does not take in C: Python reduces */
+    state = DONE;
+out:
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(state);
+}
+
+static PyMethodDef Kernel_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Kernel_run, METH_FASTCALL, "One small reduction step (see the module)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject KernelType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tcoll._arena_kernel.Kernel",
+    .tp_basicsize = sizeof(Kernel),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The small-reduction step of one arena, over addresses of its mapping.",
+    .tp_methods = Kernel_methods,
+    .tp_init = (initproc)Kernel_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "tcoll._arena_kernel", "The arena's small-reduction step in C.", -1,
+    NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__arena_kernel(void) {
+    SIXTY_FOUR = PyLong_FromLong(64);
+    if (SIXTY_FOUR == NULL || PyType_Ready(&KernelType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&KernelType);
+    if (PyModule_AddObject(m, "Kernel", (PyObject *)&KernelType) < 0) {
+        Py_DECREF(&KernelType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "NOT_STARTED", NOT_STARTED);
+    PyModule_AddIntConstant(m, "PUBLISHED", PUBLISHED);
+    PyModule_AddIntConstant(m, "DONE", DONE);
+    return m;
+}

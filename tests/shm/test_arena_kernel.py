@@ -1,0 +1,276 @@
+"""The arena's small reduction step in C (tcoll/_arena_kernel.c) against NumPy, and where it hands over to Python.
+
+Every dtype and op the kernel takes, with the values where C and NumPy could
+part ways (NaN, signed zeros, infinities, integers that wrap), on 2, 3 and 4
+process ranks, for all_reduce and reduce, with the kernel and without it
+(the Python steps); the expected result is NumPy's ufunc folded over the
+ranks' inputs in rank order. Then the hand-overs, on real ranks (a peer later
+than the kernel's spin: the step is published and Python waits; ranks that
+disagree on the op: every rank raises, as in Python) and, word by word, on an
+arena's memory in this process where the test plays the peer (a step whose
+slots are still in use is not started; a differing descriptor is not reduced;
+a sleeping peer is rung).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tcoll
+from tcoll.shm import arena as arena_module
+
+pytestmark = [pytest.mark.usefixtures("no_leftovers"),
+              pytest.mark.skipif(arena_module.kernel_module is None, reason="the C kernel is not built")]
+
+UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor, "avg": np.add}
+
+
+class CountingKernel:
+    """Stands in for an arena's kernel and counts what each run returned."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.states = kernel, Counter()
+
+    def run(self, *args: Any) -> int:
+        state = self.kernel.run(*args)
+        self.states[state] += 1
+        return state
+
+
+def _counting(comm: tcoll.Communicator) -> CountingKernel:
+    comm.barrier(algorithm="shm")  # makes the arena
+    arena = comm._dispatch.arena
+    assert arena.kernel is not None
+    arena.kernel = CountingKernel(arena.kernel)
+    return arena.kernel
+
+
+def _inputs(rank: int, dtype: np.dtype, count: int, salt: int) -> np.ndarray:
+    """Rank `rank`'s input: special values where the dtype has them, the rest seeded."""
+    rng = np.random.default_rng(1000 * rank + salt)
+    if dtype.kind == "f":
+        specials = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e30, -1e-30, 3.5], dtype=dtype)
+        values = (rng.standard_normal(count) * 100).astype(dtype)
+        values[: min(count, 8)] = np.roll(specials, rank)[: min(count, 8)]
+        return values
+    info = np.iinfo(dtype)
+    values = rng.integers(info.min, info.max, size=count, dtype=dtype, endpoint=True)
+    values[: min(count, 3)] = np.array([info.max, info.min, -1 if info.min < 0 else 1], dtype=dtype)[: min(count, 3)]
+    return values
+
+
+def _expected(op: str, inputs: list[np.ndarray]) -> np.ndarray:
+    out = inputs[0].copy()
+    with np.errstate(all="ignore"):
+        for part in inputs[1:]:
+            UFUNCS[op](out, part, out=out)
+        if op == "avg":
+            np.true_divide(out, out.dtype.type(len(inputs)), out=out)
+    return out
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal element by element, NaN where NaN, and the sign of every number (zeros too) but NaN's."""
+    if got.dtype.kind != "f":
+        return bool(np.array_equal(got, want))
+    numbers = ~np.isnan(want)
+    return bool(np.array_equal(got, want, equal_nan=True)
+                and np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers])))
+
+
+def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list[str], dict[int, int]]:
+    """all_reduce and reduce of every kernel dtype and op against NumPy; (failures, kernel states seen)."""
+    if not use_kernel:
+        arena_module.kernel_module = None  # this rank's arena (made below) gets no kernel
+    counting = _counting(comm) if use_kernel else None
+    if not use_kernel:
+        comm.barrier(algorithm="shm")
+        assert comm._dispatch.arena.kernel is None
+    bad = []
+    for dtype in arena_module.KERNEL_DTYPES:
+        ops = ["sum", "prod", "min", "max"] + (["avg"] if dtype.kind == "f" else ["band", "bor", "bxor"])
+        for op in ops:
+            for count in (1, 37, 16384 // dtype.itemsize):
+                salt = count + len(op)
+                inputs = [_inputs(q, dtype, count, salt) for q in range(comm.size)]
+                with np.errstate(all="ignore"):
+                    x = inputs[comm.rank].copy()
+                    comm.all_reduce(x, op, algorithm="shm")
+                    if not _same(x, _expected(op, inputs)):
+                        bad.append(f"rank {comm.rank}: all_reduce {op} {dtype} x{count}")
+                    root = count % comm.size
+                    if op != "avg":
+                        y = inputs[comm.rank].copy()
+                        comm.reduce(y, root, op, algorithm="shm")
+                        want = _expected(op, inputs) if comm.rank == root else inputs[comm.rank]
+                        if not _same(y, want):
+                            bad.append(f"rank {comm.rank}: reduce {op} {dtype} x{count} root {root}")
+    return bad, dict(counting.states) if counting is not None else {}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "python"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_every_dtype_and_op_matches_numpy(size: int, use_kernel: bool) -> None:
+    """The kernel (and the Python steps it stands for) give NumPy's results bit for bit, in rank order."""
+    results = tcoll.spawn(every_dtype_and_op, size, (use_kernel,), timeout=160, transport="shm")
+    assert not [f for bad, _ in results for f in bad], results
+    if use_kernel:  # the kernel ran the calls (each took one of its three ways)
+        assert all(sum(states.values()) > 0 for _, states in results), results
+
+
+def _busy(seconds: float) -> None:
+    """Keep this rank busy (not asleep) for `seconds`: it is late to the next call by that much."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def late_peer(comm: tcoll.Communicator, calls: int) -> tuple[bool, dict[int, int]]:
+    """all_reduce where the last rank comes 1 ms late each time (far past the kernel's spin)."""
+    counting = _counting(comm)
+    ok = True
+    for call in range(calls):
+        if comm.rank == comm.size - 1:
+            _busy(0.001)
+        x = np.full(5, float(comm.rank + call), dtype=np.float64)
+        comm.all_reduce(x, algorithm="shm")
+        ok &= bool(np.array_equal(x, np.full(5, sum(q + call for q in range(comm.size)), dtype=np.float64)))
+    return ok, dict(counting.states)
+
+
+@pytest.mark.timeout(60)
+def test_a_late_peer_hands_the_wait_to_python() -> None:
+    """The early ranks publish in C and wait in Python (PUBLISHED); results stay right."""
+    results = tcoll.spawn(late_peer, 3, (20,), timeout=50, transport="shm")
+    assert all(ok for ok, _ in results), results
+    assert results[0][1].get(arena_module.kernel_module.PUBLISHED, 0) > 0, results
+
+
+class FakeArena:
+    """An arena's memory in this process, seen as rank 0 of 2; the test plays rank 1 by writing its words."""
+
+    SLOT = 4096
+
+    def __init__(self) -> None:
+        import mmap
+
+        from tcoll.p2p.waiting import address_of
+
+        self.desc_at, self.data_at = arena_module._layout(2)
+        bell_at = arena_module.arena_bytes(2, self.SLOT)  # the peer's doorbell, past the arena
+        self.map = mmap.mmap(-1, bell_at + 8)
+        self.counters = np.frombuffer(self.map, np.uint64, 2, 0)
+        self.desc = np.frombuffer(self.map, np.uint64, 2 * 2 * 8, self.desc_at)
+        self.bell = np.frombuffer(self.map, np.uint32, 2, bell_at)  # sequence, sleepers
+        self.kernel = arena_module.kernel_module.Kernel(
+            address_of(self.map, 0), address_of(self.map, self.desc_at), address_of(self.map, self.data_at),
+            2, 0, self.SLOT, [address_of(self.map, bell_at)])
+
+    def slot(self, rank: int, step: int, dtype: Any, count: int) -> np.ndarray:
+        offset = self.data_at + ((step % 2) * 2 + rank) * self.SLOT
+        return np.frombuffer(self.map, dtype, count, offset)
+
+    def peer_publishes(self, step: int, stamp: int, sequence: int, values: np.ndarray) -> None:
+        at = ((step % 2) * 2 + 1) * 8
+        self.desc[at:at + 4] = [stamp & (2**64 - 1), stamp >> 64, sequence, 0]
+        self.slot(1, step, values.dtype, values.size)[...] = values
+        self.counters[1] = step + 1
+
+    def run(self, buf: np.ndarray, step: int, stamp: int, sequence: int, want: bool = True) -> int:
+        code = arena_module.KERNEL_DTYPES[buf.dtype]
+        return self.kernel.run(buf, code, 0, step, stamp, sequence, 0, False, want)
+
+
+STAMP = (0xFEED << 64) | 0xBEEF  # a stamp with both 64-bit halves set
+
+
+def test_kernel_publishes_and_hands_over_when_the_peer_has_not() -> None:
+    """Rank 1 silent: rank 0's step is described, copied and published; the wait is Python's (PUBLISHED)."""
+    fake, mine = FakeArena(), np.arange(4, dtype=np.float64)
+    assert fake.run(mine, 0, STAMP, 7) == arena_module.kernel_module.PUBLISHED
+    assert fake.counters.tolist() == [1, 0]
+    assert fake.desc[:4].tolist() == [0xBEEF, 0xFEED, 7, 0]
+    assert np.array_equal(fake.slot(0, 0, np.float64, 4), mine) and np.array_equal(mine, np.arange(4.0))
+
+
+def test_kernel_reduces_when_every_rank_described_the_same_call() -> None:
+    fake = FakeArena()
+    fake.peer_publishes(0, STAMP, 7, np.full(4, 10, dtype=np.int32))
+    mine = np.arange(4, dtype=np.int32)
+    assert fake.run(mine, 0, STAMP, 7) == arena_module.kernel_module.DONE
+    assert mine.tolist() == [10, 11, 12, 13]
+    theirs = np.arange(4, dtype=np.int32)  # a reduce's non-root: published, agreed, buffer untouched
+    fake.peer_publishes(1, STAMP, 8, theirs)
+    assert fake.run(theirs, 1, STAMP, 8, want=False) == arena_module.kernel_module.DONE
+    assert theirs.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("stamp,sequence", [(STAMP ^ (1 << 70), 7), (STAMP ^ 1, 7), (STAMP, 6)],
+                         ids=["stamp high", "stamp low", "sequence"])
+def test_kernel_leaves_a_disagreement_to_python(stamp: int, sequence: int) -> None:
+    """A peer whose descriptor differs in any word: no reduction, PUBLISHED (Python's agree raises)."""
+    fake = FakeArena()
+    fake.peer_publishes(0, stamp, sequence, np.full(4, 10.0))
+    mine = np.ones(4)
+    assert fake.run(mine, 0, STAMP, 7) == arena_module.kernel_module.PUBLISHED
+    assert mine.tolist() == [1.0] * 4
+
+
+def test_kernel_does_not_start_a_step_whose_slots_are_in_use() -> None:
+    """Step 1 before rank 1 published step 0: nothing is written (NOT_STARTED), Python waits and runs it."""
+    fake = FakeArena()
+    fake.counters[0] = 1
+    mine = np.full(4, 3.0)
+    assert fake.run(mine, 1, STAMP, 7) == arena_module.kernel_module.NOT_STARTED
+    assert fake.counters.tolist() == [1, 0] and not fake.slot(0, 1, np.float64, 4).any()
+    assert not fake.desc[8:16].any()
+
+
+def test_kernel_rings_a_sleeping_peer_and_only_then() -> None:
+    """The publish bumps a peer's doorbell sequence when the peer says it sleeps, not otherwise."""
+    fake = FakeArena()
+    fake.run(np.ones(2), 0, STAMP, 1)
+    assert fake.bell[0] == 0
+    fake.bell[1] = 1  # the peer sleeps
+    fake.peer_publishes(0, STAMP, 1, np.ones(2))
+    fake.counters[0] = 1
+    fake.run(np.ones(2), 1, STAMP, 2)
+    assert fake.bell[0] == 1
+
+
+def test_kernel_refuses_a_buffer_larger_than_a_slot() -> None:
+    fake = FakeArena()
+    with pytest.raises(ValueError, match="slot"):
+        fake.run(np.ones(FakeArena.SLOT // 8 + 1), 0, STAMP, 1)
+    assert fake.counters.tolist() == [0, 0]
+
+
+def ops_disagree(comm: tcoll.Communicator) -> tuple[str, bool]:
+    """Rank 0 asks for max where the others ask for sum (both ops the kernel takes); then a right call."""
+    _counting(comm)
+    x = np.ones(4, dtype=np.float32)
+    try:
+        comm.all_reduce(x, "max" if comm.rank == 0 else "sum", algorithm="shm")
+    except tcoll.MismatchError as exc:
+        said = str(exc)
+    else:
+        said = "no error"
+    y = np.full(4, comm.rank + 1.0, dtype=np.float32)
+    comm.all_reduce(y, algorithm="shm")
+    return said, bool(np.array_equal(y, np.full(4, comm.size * (comm.size + 1) / 2, dtype=np.float32)))
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_disagree_on_the_op_all_raise() -> None:
+    """A disagreement the kernel sees in the descriptors is Python's MismatchError on every rank."""
+    results = tcoll.spawn(ops_disagree, 3, timeout=50, transport="shm")
+    for rank, (said, after_ok) in enumerate(results):
+        assert "where rank" in said or "disagree" in said, (rank, said)
+        assert after_ok, rank
