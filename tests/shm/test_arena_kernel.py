@@ -24,8 +24,8 @@ import pytest
 import tcoll
 from tcoll.shm import arena as arena_module
 
-pytestmark = [pytest.mark.usefixtures("no_leftovers"),
-              pytest.mark.skipif(arena_module.kernel_module is None, reason="the C kernel is not built")]
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+needs_kernel = pytest.mark.skipif(arena_module.kernel_module is None, reason="the C kernel is not built")
 
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor, "avg": np.add}
@@ -114,6 +114,7 @@ def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list
     return bad, dict(counting.states) if counting is not None else {}
 
 
+@needs_kernel
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "python"])
 @pytest.mark.parametrize("size", [2, 3, 4])
@@ -145,6 +146,7 @@ def late_peer(comm: tcoll.Communicator, calls: int) -> tuple[bool, dict[int, int
     return ok, dict(counting.states)
 
 
+@needs_kernel
 @pytest.mark.timeout(60)
 def test_a_late_peer_hands_the_wait_to_python() -> None:
     """The early ranks publish in C and wait in Python (PUBLISHED); results stay right."""
@@ -191,6 +193,7 @@ class FakeArena:
 STAMP = (0xFEED << 64) | 0xBEEF  # a stamp with both 64-bit halves set
 
 
+@needs_kernel
 def test_kernel_publishes_and_hands_over_when_the_peer_has_not() -> None:
     """Rank 1 silent: rank 0's step is described, copied and published; the wait is Python's (PUBLISHED)."""
     fake, mine = FakeArena(), np.arange(4, dtype=np.float64)
@@ -200,6 +203,7 @@ def test_kernel_publishes_and_hands_over_when_the_peer_has_not() -> None:
     assert np.array_equal(fake.slot(0, 0, np.float64, 4), mine) and np.array_equal(mine, np.arange(4.0))
 
 
+@needs_kernel
 def test_kernel_reduces_when_every_rank_described_the_same_call() -> None:
     fake = FakeArena()
     fake.peer_publishes(0, STAMP, 7, np.full(4, 10, dtype=np.int32))
@@ -214,6 +218,7 @@ def test_kernel_reduces_when_every_rank_described_the_same_call() -> None:
 
 @pytest.mark.parametrize("stamp,sequence", [(STAMP ^ (1 << 70), 7), (STAMP ^ 1, 7), (STAMP, 6)],
                          ids=["stamp high", "stamp low", "sequence"])
+@needs_kernel
 def test_kernel_leaves_a_disagreement_to_python(stamp: int, sequence: int) -> None:
     """A peer whose descriptor differs in any word: no reduction, PUBLISHED (Python's agree raises)."""
     fake = FakeArena()
@@ -223,6 +228,7 @@ def test_kernel_leaves_a_disagreement_to_python(stamp: int, sequence: int) -> No
     assert mine.tolist() == [1.0] * 4
 
 
+@needs_kernel
 def test_kernel_does_not_start_a_step_whose_slots_are_in_use() -> None:
     """Step 1 before rank 1 published step 0: nothing is written (NOT_STARTED), Python waits and runs it."""
     fake = FakeArena()
@@ -233,6 +239,7 @@ def test_kernel_does_not_start_a_step_whose_slots_are_in_use() -> None:
     assert not fake.desc[8:16].any()
 
 
+@needs_kernel
 def test_kernel_rings_a_sleeping_peer_and_only_then() -> None:
     """The publish bumps a peer's doorbell sequence when the peer says it sleeps, not otherwise."""
     fake = FakeArena()
@@ -245,6 +252,7 @@ def test_kernel_rings_a_sleeping_peer_and_only_then() -> None:
     assert fake.bell[0] == 1
 
 
+@needs_kernel
 def test_kernel_refuses_a_buffer_larger_than_a_slot() -> None:
     fake = FakeArena()
     with pytest.raises(ValueError, match="slot"):
@@ -267,6 +275,7 @@ def ops_disagree(comm: tcoll.Communicator) -> tuple[str, bool]:
     return said, bool(np.array_equal(y, np.full(4, comm.size * (comm.size + 1) / 2, dtype=np.float32)))
 
 
+@needs_kernel
 @pytest.mark.timeout(60)
 def test_ranks_that_disagree_on_the_op_all_raise() -> None:
     """A disagreement the kernel sees in the descriptors is Python's MismatchError on every rank."""
@@ -274,3 +283,13 @@ def test_ranks_that_disagree_on_the_op_all_raise() -> None:
     for rank, (said, after_ok) in enumerate(results):
         assert "where rank" in said or "disagree" in said, (rank, said)
         assert after_ok, rank
+
+
+def test_the_kernel_is_built_where_a_compiler_is() -> None:
+    """An install on a machine with a C compiler has the kernel (its build is optional, so a failure is silent)."""
+    import shutil
+    import sysconfig
+
+    if not (shutil.which("cc") or shutil.which("gcc")) or not sysconfig.get_paths().get("include"):
+        pytest.skip("no C compiler or no Python headers here")
+    assert arena_module.kernel_module is not None
