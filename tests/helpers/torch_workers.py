@@ -425,6 +425,12 @@ def check_repeated_all_reduce(rank: int, size: int) -> None:
         dist.all_reduce(view)
         want = expected(R.SUM, [data(r, tuple(view.shape), view.dtype, salt=len(what)) for r in range(size)], size)
         same(view, want, f"all_reduce of the {what} of a reduced tensor")
+    blocking = dist.AllreduceOptions()
+    blocking.asyncOp = False  # called directly (not by dist.all_reduce): a Work, complete, with its outputs
+    base.fill_(float(rank))
+    work = dist.group.WORLD.allreduce([base], blocking)
+    assert work is not None and work.is_completed() and work.wait()
+    same(work.get_future().value()[0], torch.full((64,), float(sum(range(size)))), "direct blocking allreduce")
     for i in range(40):  # more tensors than plans kept; freed ones' memory comes back as new tensors
         dtype = (torch.float32, torch.int64, torch.float64)[i % 3]
         t = data(rank, (3 + i % 5,), dtype, salt=i)
