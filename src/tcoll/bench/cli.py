@@ -2,8 +2,8 @@
 
     tcoll bench p2p [-b 8] [-e 256M] [-f 4] [--transports shm,tcp]
     tcoll bench all_reduce -n 4 -b 8 -e 256M -f 4 [-d float32] [-o sum] [--check]
-        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi,tcoll-mpi,deepspeed] [--load K] [--persistent]
-        [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
+        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi,tcoll-mpi,deepspeed] [--load K]
+        [--persistent] [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
 """
 
 from __future__ import annotations
@@ -149,8 +149,9 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         sizes = sizes_between(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    compare = _targets(args.compare, cases, args.dtype, args.op)
     return BenchConfig(cases=cases, n=args.nranks, sizes=sizes, dtype=args.dtype, op=args.op, root=args.root,
-                       algorithm=args.algorithm, buffers=buffers, compare=_targets(args.compare, cases, args.dtype, args.op),
+                       algorithm=args.algorithm, buffers=buffers, compare=compare,
                        repeats=args.repeats, iters=args.iters, warmup=args.warmup, check=args.check,
                        timeout=args.timeout, persistent=args.persistent, floor=args.floor)
 

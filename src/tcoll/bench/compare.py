@@ -123,6 +123,14 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -211,11 +219,15 @@ def run_deepspeed(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any
     from .deepspeed_worker import shm_segment
 
     port = _free_port()
+    # The op's copies and sums are OpenMP loops: with OpenMP's default (a thread per core in every rank) the
+    # ranks' threads outnumber the cores and each call waits for descheduled spinners (ms, not us). DeepSpeed's
+    # own launcher (--bind_cores_to_rank) gives each rank cores // ranks threads; so does this, unless set.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, _cores() // n))
     commands = []
     for rank in range(n):
         # LOCAL_SIZE = n: otherwise DeepSpeed never maps its shared memory and every call silently does nothing
         env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
-                   LOCAL_RANK=str(rank), LOCAL_SIZE=str(n), DS_ACCELERATOR="cpu")
+                   LOCAL_RANK=str(rank), LOCAL_SIZE=str(n), DS_ACCELERATOR="cpu", OMP_NUM_THREADS=threads)
         commands.append(([sys.executable, "-m", "tcoll.bench.deepspeed_worker"], env))
     try:
         return _launch("deepspeed", commands, plan, timeout)

@@ -10,7 +10,8 @@ go over gloo.
 
 Started by `tcoll bench --compare deepspeed` with DS_ACCELERATOR=cpu, RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE (= WORLD_SIZE, or DeepSpeed never maps its
-shared memory), MASTER_ADDR and MASTER_PORT set.
+shared memory), MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS (cores // ranks,
+as DeepSpeed's launcher sets it when it binds cores) set.
 
 The op sums float32, bfloat16 and float16 only, whatever op is asked, and
 returns other dtypes unreduced without a word; `deepspeed.comm` falls back to
@@ -139,7 +140,7 @@ class DeepSpeedBackend(Backend):
 
     def info(self) -> dict[str, Any]:
         return {"deepspeed": self.version, "torch": self.torch.__version__, "op": "inference_all_reduce_ (shm)",
-                "vector kernel level": self.level}
+                "vector kernel level": self.level, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "?")}
 
     def close(self) -> None:
         self.dist.barrier()  # every rank has mapped every segment before it goes
