@@ -2,8 +2,8 @@
 
     tcoll bench p2p [-b 8] [-e 256M] [-f 4] [--transports shm,tcp]
     tcoll bench all_reduce -n 4 -b 8 -e 256M -f 4 [-d float32] [-o sum] [--check]
-        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi,tcoll-mpi] [--load K] [--persistent]
-        [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
+        [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi,tcoll-mpi,deepspeed] [--load K]
+        [--persistent] [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--warmup", type=int,
                        help="warm-up calls per size, at least 1 (the first shows whether a call can run; "
                             "default: adaptive, 2..20)")
-    group.add_argument("--compare", default="", metavar="gloo,mpi,tcoll-mpi",
-                       help="also measure torch.distributed gloo, mpi4py (MPICH), and/or tcoll over its MPI engine")
+    group.add_argument("--compare", default="", metavar="gloo,mpi,tcoll-mpi,deepspeed",
+                       help="also measure torch.distributed gloo, mpi4py (MPICH), tcoll over its MPI engine, "
+                            "and/or DeepSpeed's CPU shared-memory all_reduce (float sums only)")
     group.add_argument("--load", type=int, default=0, metavar="K",
                        help="run K busy processes during the whole measurement")
     group.add_argument("--plot", metavar="FILE.png", help="plot busbw and time vs size (needs matplotlib)")
@@ -100,9 +101,9 @@ def _cases(text: str) -> list[str]:
     return names
 
 
-def _targets(text: str) -> list[str]:
-    """The compare targets asked for that can run here; the others are noted on stderr."""
-    from .compare import TARGETS, missing
+def _targets(text: str, cases: list[str], dtype: str, op: str) -> list[str]:
+    """The compare targets asked for that can run here and run some case; the others are noted on stderr."""
+    from .compare import TARGETS, limits, missing
 
     targets = []
     for name in dict.fromkeys(t.strip() for t in text.split(",") if t.strip()):
@@ -110,6 +111,11 @@ def _targets(text: str) -> list[str]:
             raise UsageError(f"unknown compare target {name!r}; choose from {', '.join(TARGETS)}")
         why = missing(name)
         if why is None:
+            kept, note = limits(name, cases, dtype, op)
+            if note:
+                print(f"# compare: {name}: {note}" if kept else f"# compare: {name} skipped: {note}", file=sys.stderr)
+            if not kept:
+                continue
             targets.append(name)
         else:
             print(f"# compare: {name} skipped: {why}", file=sys.stderr)
@@ -143,8 +149,9 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         sizes = sizes_between(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    compare = _targets(args.compare, cases, args.dtype, args.op)
     return BenchConfig(cases=cases, n=args.nranks, sizes=sizes, dtype=args.dtype, op=args.op, root=args.root,
-                       algorithm=args.algorithm, buffers=buffers, compare=_targets(args.compare),
+                       algorithm=args.algorithm, buffers=buffers, compare=compare,
                        repeats=args.repeats, iters=args.iters, warmup=args.warmup, check=args.check,
                        timeout=args.timeout, persistent=args.persistent, floor=args.floor)
 

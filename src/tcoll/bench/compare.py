@@ -1,16 +1,19 @@
-"""The compare targets: torch.distributed with gloo, and mpi4py with MPICH.
+"""The compare targets: torch.distributed with gloo, mpi4py with MPICH, and DeepSpeed's CPU shm all_reduce.
 
 Each runs the same plan as tcoll (`runner.sweep`) in its own processes:
 gloo as n `python -m tcoll.bench.gloo_worker` subprocesses meeting at
 127.0.0.1 on a free port; MPI as `mpiexec -n N python -m tcoll.bench.mpi_worker`.
 tcoll itself over its MPI engine ("tcoll-mpi") as `mpiexec -n N python -m
-tcoll.bench.tcoll_mpi_worker` with TCOLL_TRANSPORT=mpi.
+tcoll.bench.tcoll_mpi_worker` with TCOLL_TRANSPORT=mpi. DeepSpeed as n
+`python -m tcoll.bench.deepspeed_worker` subprocesses like gloo's, with
+DS_ACCELERATOR=cpu and LOCAL_SIZE=n (all_reduce of float sums only: `limits`).
 The plan goes in a JSON file; rank 0 writes its rows to another.
 A target that is not installed is skipped with a note, never an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -27,10 +30,12 @@ from typing import Any
 
 from . import BenchError
 
-__all__ = ["TARGETS", "missing", "mpiexec", "run_gloo", "run_mpi", "run_tcoll_mpi", "versions"]
+__all__ = ["TARGETS", "limits", "missing", "mpiexec", "run_deepspeed", "run_gloo", "run_mpi", "run_tcoll_mpi",
+           "versions"]
 
-TARGETS = ("gloo", "mpi", "tcoll-mpi")
+TARGETS = ("gloo", "mpi", "tcoll-mpi", "deepspeed")
 _HINT = "pip install tcoll[compare]"
+_DS_HINT = "pip install tcoll[deepspeed]"
 
 
 def mpiexec() -> str | None:
@@ -53,6 +58,16 @@ def missing(target: str) -> str | None:
         if mpiexec() is None:
             return f"no mpiexec found ({_HINT} installs MPICH's)"
         return None
+    if target == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            return f"deepspeed is not installed ({_DS_HINT})"
+        if importlib.util.find_spec("torch") is None:
+            return f"torch is not installed ({_DS_HINT})"
+        if not sys.platform.startswith("linux"):
+            return "DeepSpeed's shared-memory all_reduce is Linux only"
+        if not any(shutil.which(cc) for cc in ("c++", "g++")):
+            return "no C++ compiler found (DeepSpeed builds its shared-memory op on first use)"
+        return None
     return f"unknown compare target (choose from {', '.join(TARGETS)})"
 
 
@@ -74,7 +89,29 @@ def versions(targets: list[str]) -> dict[str, str]:
         found["mpi4py"] = _version("mpi4py") or "?"
         mpich = _version("mpich")
         found["mpi library"] = f"MPICH {mpich} (PyPI)" if mpich else "the MPI library mpi4py finds"
+    if "deepspeed" in targets:
+        found["deepspeed"] = _version("deepspeed") or "?"
     return found
+
+
+def limits(target: str, cases: list[str], dtype: str, op: str) -> tuple[list[str], str | None]:
+    """The cases `target` really runs with this dtype and op, and why it runs no other.
+
+    Only DeepSpeed is limited: its shared-memory op all-reduces float sums, and
+    silently returns anything else unreduced, so those calls are never timed.
+
+    Returns:
+        (cases it runs, a note on those it does not, or None).
+    """
+    if target != "deepspeed":
+        return list(cases), None
+    from .deepspeed_worker import refusal
+
+    kept = [case for case in cases if refusal(case, dtype, op) is None]
+    left = [case for case in cases if case not in kept]
+    if not left:
+        return kept, None
+    return kept, f"{', '.join(left)} left out: {refusal(left[0], dtype, op)}"
 
 
 def _env() -> dict[str, str]:
@@ -84,6 +121,14 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     return env
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _free_port() -> int:
@@ -167,6 +212,30 @@ def run_gloo(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
                    LOCAL_RANK=str(rank))
         commands.append(([sys.executable, "-m", "tcoll.bench.gloo_worker"], env))
     return _launch("gloo", commands, plan, timeout)
+
+
+def run_deepspeed(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Sweep the plan with DeepSpeed's CPU shared-memory all_reduce on n subprocesses."""
+    from .deepspeed_worker import shm_segment
+
+    port = _free_port()
+    # The op's copies and sums are OpenMP loops: with OpenMP's default (a thread per core in every rank) the
+    # ranks' threads outnumber the cores and each call waits for descheduled spinners (ms, not us). DeepSpeed's
+    # own launcher (--bind_cores_to_rank) gives each rank cores // ranks threads; so does this, unless set.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, _cores() // n))
+    commands = []
+    for rank in range(n):
+        # LOCAL_SIZE = n: otherwise DeepSpeed never maps its shared memory and every call silently does nothing
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                   LOCAL_RANK=str(rank), LOCAL_SIZE=str(n), DS_ACCELERATOR="cpu", OMP_NUM_THREADS=threads)
+        commands.append(([sys.executable, "-m", "tcoll.bench.deepspeed_worker"], env))
+    try:
+        return _launch("deepspeed", commands, plan, timeout)
+    finally:
+        for rank in range(n):  # the ranks unlink their own segments; these are what a failed run left behind
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            with contextlib.suppress(OSError):
+                os.unlink(shm_segment(rank, env))
 
 
 def run_mpi(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -4,7 +4,8 @@ The table follows nccl-tests: size (B), count, dtype, op, time (us), algbw
 and busbw (GB/s), #wrong; then, per compare target, its time and busbw and
 tcoll's busbw over its busbw ("tcoll/gloo": above 1, tcoll is faster). For
 one size both run the same bytes, so that ratio is also their time over
-tcoll's, which is what it means for a barrier (no bytes).
+tcoll's, which is what it means for a barrier (no bytes). A compare target
+with wrong elements at a size shows WRONG there instead of its time.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def format_table(results: list[Result], case: str, markdown: bool = False) -> st
                       _num(r.busbw if r else None, 3), str(r.wrong) if r and r.wrong is not None else "-"]
             for impl in others:
                 theirs = by_key.get((impl, "", nbytes))
+                if theirs and theirs.wrong:  # a wrong result is not a time (a silent fallback must not look fast)
+                    cells += ["WRONG", "-", "-"]
+                    continue
                 cells += [_num(theirs.time * 1e6, 1) if theirs and theirs.time else "-",
                           _num(theirs.busbw if theirs else None, 3), _ratio(r, theirs)]
             lines.append(cells)

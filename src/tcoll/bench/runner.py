@@ -76,7 +76,7 @@ class BenchConfig:
         sizes: benchmark sizes in bytes (nccl-tests' meaning; rounded per case).
         algorithm: tcoll algorithm name, "auto", or "all" (auto and every registered one).
         buffers: "plain" and/or "shm" (tcoll's comm.empty).
-        compare: other implementations to run ("gloo", "mpi"), installed ones only.
+        compare: other implementations to run ("gloo", "mpi", "tcoll-mpi", "deepspeed"), installed ones only.
         iters, warmup: fixed counts instead of the adaptive ones.
         timeout: seconds one implementation's sweep may take.
     """
@@ -113,7 +113,10 @@ def make_jobs(config: BenchConfig, impl: str) -> list[dict[str, Any]]:
     if impl == "tcoll-mpi":  # tcoll's own choice of algorithm, every message over MPI
         return [{"case": case, "label": impl, "algorithm": "auto", "buffers": "plain"} for case in config.cases]
     if impl != "tcoll":
-        return [{"case": case, "label": impl, "algorithm": impl, "buffers": "plain"} for case in config.cases]
+        from .compare import limits
+
+        cases = limits(impl, config.cases, config.dtype, config.op)[0]  # DeepSpeed: all_reduce of float sums
+        return [{"case": case, "label": impl, "algorithm": impl, "buffers": "plain"} for case in cases]
     jobs = []
     for case in config.cases:
         for algorithm in tcoll_algorithms(case, config.algorithm):
@@ -128,7 +131,8 @@ def make_plan(config: BenchConfig, impl: str, progress: str | None = None) -> di
     """The plan an implementation's ranks run (JSON-able)."""
     return {"impl": impl, "n": config.n, "jobs": make_jobs(config, impl), "sizes": list(config.sizes),
             "dtype": config.dtype, "op": config.op, "root": config.root, "iters": config.iters,
-            "warmup": config.warmup, "check": config.check, "progress": progress,
+            # DeepSpeed is always checked: where it does not reduce it says nothing, and must show as wrong
+            "warmup": config.warmup, "check": config.check or impl == "deepspeed", "progress": progress,
             "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases}
 
 
@@ -379,9 +383,10 @@ class LoadGenerator:
 
 
 def _runners() -> dict[str, Callable[[int, dict[str, Any], float], dict[str, Any]]]:
-    from .compare import run_gloo, run_mpi, run_tcoll_mpi
+    from .compare import run_deepspeed, run_gloo, run_mpi, run_tcoll_mpi
 
-    return {"tcoll": run_tcoll, "gloo": run_gloo, "mpi": run_mpi, "tcoll-mpi": run_tcoll_mpi}
+    return {"tcoll": run_tcoll, "gloo": run_gloo, "mpi": run_mpi, "tcoll-mpi": run_tcoll_mpi,
+            "deepspeed": run_deepspeed}
 
 
 def run_bench(config: BenchConfig, progress: Any = None,
