@@ -31,6 +31,7 @@ and flags at each call (a cached buffer stays referenced until it drops out).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +113,16 @@ class Plan:
         return self.result
 
     __call__ = run  # plan(): the same, one Python call less
+
+    def runner(self) -> Callable[[], Any]:
+        """A callable that runs the plan once, blocking, as run() does, for callers that never start() it.
+
+        A bound plan's runner goes straight to the data movement (it skips
+        run()'s check that a start() is not under way); an unbound one's is run.
+        """
+        if self._blocking is None:
+            return self.run
+        return functools.partial(self._comm._dispatch.run_prepared, self._blocking)
 
     def start(self) -> Work:
         """Start a run (it proceeds while this rank does other work); returns its Work, which wait() waits for."""
