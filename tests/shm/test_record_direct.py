@@ -15,11 +15,10 @@ from tcoll.comm.describe import META_BYTES
 from tcoll.shm import record as shm_record
 from tcoll.shm.arena import ZERO_COPY_BYTES, agreed_slot
 from tcoll.shm.record import record_direct
-from tcoll.shm.vector import SMALL_BYTES
 
 DIRECT = [(collective, name) for collective, infos in REGISTRY.items() for name, info in infos.items() if info.direct]
 # (elements per rank or block, TCOLL_SHM_SLOT): one step; many small slots; large enough to lend (one more step)
-CASES = [(4, 1 << 20), (1000, 512), (300, 256), (5000, 4096)]
+CASES = [(4, 1 << 20), (1000, 512), (300, 256), (5000, 4096), (4000, 1 << 20), (40000, 1 << 20)]
 LARGE = [(size, 4, 1 << 20) for size in (16, 37, 64)] + [(37, 300, 256)]  # larger worlds, fewer cases
 ITEM = 4  # float32
 
@@ -39,7 +38,7 @@ def expected(collective: str, size: int, rank: int, count: int, slot: int, root:
         return (0, 0), 0, 0
     if collective in ("all_reduce", "reduce"):
         gets = collective == "all_reduce" or rank == root
-        if n <= min(SMALL_BYTES, slot):  # one step, every rank that wants the result reduces all p slots
+        if n <= slot and (n <= 128 << 10 or p == 2):  # one step: every rank that wants the result reduces all slots
             return (n, 0), (p - 1) * n if gets else 0, 1
         parts = [part_bounds(min(piece, n - lo) // ITEM, p, rank) for lo in range(0, n, piece)]
         mine = ITEM * sum(hi - lo for lo, hi in parts)  # this rank's 1/p of every piece

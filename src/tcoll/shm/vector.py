@@ -30,9 +30,17 @@ from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, kernel_module
 
 DONE, PUBLISHED = (kernel_module.DONE, kernel_module.PUBLISHED) if kernel_module is not None else (2, 1)
 
-__all__ = ["SMALL_BYTES", "all_reduce", "reduce", "broadcast", "barrier"]
+__all__ = ["SMALL_BYTES", "one_step", "all_reduce", "reduce", "broadcast", "barrier"]
 
-SMALL_BYTES = 16 << 10  # all_reduce/reduce up to this: one step, every rank reduces the whole vector
+SMALL_BYTES = 128 << 10  # all_reduce/reduce up to this (any slot-sized one on 2 ranks): one step, every rank
+# reduces the whole vector from every slot. It reads p vectors where the pipelined steps read one, but it
+# synchronises once, writes the result straight into the caller's buffer and skips the shared result and its
+# copy out: measured faster up to 128 KiB on 4 ranks and at every slot size on 2 (docs/performance.md).
+
+
+def one_step(nbytes: int, size: int, slot_bytes: int) -> bool:
+    """Whether an all_reduce/reduce of `nbytes` on `size` ranks runs in one step (the same on every rank)."""
+    return nbytes <= slot_bytes and (nbytes <= SMALL_BYTES or size == 2)
 
 def _raw(arr: np.ndarray) -> np.ndarray:
     return arr.view(np.uint8) if arr.ndim == 1 else arr.reshape(-1).view(np.uint8)
@@ -43,7 +51,7 @@ def _raw(arr: np.ndarray) -> np.ndarray:
 def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
-    if nbytes <= SMALL_BYTES:
+    if one_step(nbytes, size, 1 << 20):
         return ARENA_SYNC + nbytes * ARENA_COPY + (size - 1) * nbytes * ARENA_REDUCE
     steps = 2 * -(-nbytes // (1 << 20))
     return steps * ARENA_SYNC + 2 * nbytes * ARENA_COPY + (size - 1) / size * nbytes * ARENA_REDUCE
@@ -53,13 +61,14 @@ def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
 def all_reduce(arena: Arena, buf: np.ndarray, op: Op) -> None:
     """Shared-memory all_reduce: copy in, each rank reduces its 1/p of every slot, copy out.
 
-    Steps: up to 16 KiB, one step in which every rank reduces all slots
-    itself; larger, per slot-sized piece: write the piece, publish; reduce
-    this rank's 1/p of it over all slots into the shared result, publish;
-    copy the whole result out. Memory traffic per rank: n bytes in, n bytes
-    reduced from p inputs / p, n bytes out. Operands in rank order.
+    Steps: up to 128 KiB (on 2 ranks, up to a slot), one step in which
+    every rank reduces all slots itself; larger, per slot-sized piece: write
+    the piece, publish; reduce this rank's 1/p of it over all slots into the
+    shared result, publish; copy the whole result out. Memory traffic per
+    rank: n bytes in, n bytes reduced from p inputs / p, n bytes out.
+    Operands in rank order.
     """
-    if 1 < arena.size and buf.nbytes <= SMALL_BYTES and buf.nbytes <= arena.slot_bytes:
+    if 1 < arena.size and one_step(buf.nbytes, arena.size, arena.slot_bytes):
         _reduce_small(arena, buf, op, None)  # the common small call, one Python call sooner
     else:
         _reduce_direct(arena, buf, op, None, "all_reduce")
@@ -79,7 +88,7 @@ def reduce(arena: Arena, buf: np.ndarray, op: Op, root: int) -> None:
 def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None, what: str) -> None:
     if arena.size == 1:
         return
-    if buf.nbytes <= min(SMALL_BYTES, arena.slot_bytes):
+    if one_step(buf.nbytes, arena.size, arena.slot_bytes):
         _reduce_small(arena, buf, op, root)
     else:
         _reduce_large(arena, buf, op, root)
