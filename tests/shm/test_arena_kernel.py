@@ -1,4 +1,4 @@
-"""The arena's small reduction step in C (tcoll/_arena_kernel.c) against NumPy, and where it hands over to Python.
+"""The arena's small reduction step in C (tcoll/shm/_arena_kernel.c) against NumPy, and where it hands over to Python.
 
 Every dtype and op the kernel takes, with the values where C and NumPy could
 part ways (NaN, signed zeros, infinities, integers that wrap), on 2, 3 and 4

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from .collectives import BenchCase, Buffers, Params, Pattern, count_wrong, layout
-from .runner import Backend, sweep
+from .gloo_worker import TorchDistBackend
+from .runner import sweep
 from .worker_io import read_plan, write_result
 
 __all__ = ["DTYPES", "DeepSpeedBackend", "refusal", "shm_segment", "unreduced"]
@@ -74,7 +75,7 @@ def shm_segment(rank: int, env: Mapping[str, str] = os.environ) -> str:
             f"{env.get('MASTER_PORT', '')}_{rank}")
 
 
-class DeepSpeedBackend(Backend):
+class DeepSpeedBackend(TorchDistBackend):
     """deepspeed.comm on CPU, timing its shared-memory inference_all_reduce, on one rank."""
 
     name = "deepspeed"
@@ -104,19 +105,6 @@ class DeepSpeedBackend(Backend):
         if level is None and hasattr(self.shm_op, "vector_kernel_level"):
             level = self.shm_op.vector_kernel_level()
         return None if level is None else int(level)
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def max_all(self, value: float) -> float:
-        t = self.torch.tensor([value], dtype=self.torch.float64)
-        self.dist.all_reduce(t, self.dist.ReduceOp.MAX)
-        return float(t[0])
-
-    def sum_all(self, value: int) -> int:
-        t = self.torch.tensor([value], dtype=self.torch.int64)
-        self.dist.all_reduce(t, self.dist.ReduceOp.SUM)
-        return int(t[0])
 
     def bind(self, case: BenchCase, bufs: Buffers, p: Params) -> Callable[[], Any]:
         """The op on `bufs.inp`, after one call checked on every rank (raises on all ranks alike)."""

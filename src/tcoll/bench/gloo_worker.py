@@ -29,7 +29,30 @@ def to_torch(arr: np.ndarray | None) -> Any:
     return torch.from_numpy(arr)
 
 
-class GlooBackend(Backend):
+class TorchDistBackend(Backend):
+    """What every bench backend on a torch.distributed group shares: its barrier and the sweep's reductions.
+
+    A subclass sets `torch` and `dist` (the modules) and joins the group in its __init__.
+    """
+
+    torch: Any
+    dist: Any
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def max_all(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64)
+        self.dist.all_reduce(t, self.dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def sum_all(self, value: int) -> int:
+        t = self.torch.tensor([value], dtype=self.torch.int64)
+        self.dist.all_reduce(t, self.dist.ReduceOp.SUM)
+        return int(t[0])
+
+
+class GlooBackend(TorchDistBackend):
     """torch.distributed, backend gloo, on one rank."""
 
     name = "gloo"
@@ -45,19 +68,6 @@ class GlooBackend(Backend):
         dist.init_process_group("gloo")
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def max_all(self, value: float) -> float:
-        t = self.torch.tensor([value], dtype=self.torch.float64)
-        self.dist.all_reduce(t, self.dist.ReduceOp.MAX)
-        return float(t[0])
-
-    def sum_all(self, value: int) -> int:
-        t = self.torch.tensor([value], dtype=self.torch.int64)
-        self.dist.all_reduce(t, self.dist.ReduceOp.SUM)
-        return int(t[0])
 
     def bind(self, case: BenchCase, bufs: Buffers, p: Params) -> Callable[[], Any]:
         ops = self.dist.ReduceOp

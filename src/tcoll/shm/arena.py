@@ -39,8 +39,8 @@ from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell, address_of
 from ..segments import Segment, new_segment, segment_name
 
-try:  # the small reduction step in C (tcoll/_arena_kernel.c), built with the package where a compiler is
-    from .. import _arena_kernel as kernel_module
+try:  # the small reduction step in C (_arena_kernel.c), built with the package where a compiler is
+    from . import _arena_kernel as kernel_module
 except ImportError:  # pragma: no cover - built without it: the same steps run in Python
     kernel_module = None  # type: ignore[assignment]
 
@@ -58,7 +58,7 @@ _WORD = (1 << 64) - 1
 ADDRESS_BYTES = 128  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>"
 _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
-# What the C kernel reduces (codes of tcoll/_arena_kernel.c); anything else is reduced in Python.
+# What the C kernel reduces (codes of _arena_kernel.c); anything else is reduced in Python.
 KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
     (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))}
 KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later

@@ -34,7 +34,6 @@ C++ allreduce hook.
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,10 +47,11 @@ from ..env import Settings
 from ..errors import TcollError
 from ..errors import TimeoutError as TcollTimeout
 from . import worlds
+from .plans import AllReducePlans
 from .sparse import all_reduce_sparse
 from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, fill, finisher, np_bytes, np_view,
                       pieces, reduce_source, reduce_target, row_bytes)
-from .work import Finish, Held, TcollWork, chain, completed, drop_held, each, held_calls, result_of, run_held, seconds, timed_out
+from .work import Finish, Held, TcollWork, async_requested, chain, completed, drop_held, each, held_calls, result_of, run_held, seconds, timed_out
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
@@ -64,29 +64,17 @@ _OP_NAMES = {
 }
 _U8 = torch.uint8
 _STRIDED = torch.strided
-# The ops and dtypes tcoll reduces as torch means them, with no copy or finishing step.
-# Keyed by the op's value: hashing torch's enum costs more than a small call's whole bookkeeping.
+# The ops (by value: hashing torch's enum is slow) and dtypes tcoll reduces as torch means them, with no extra step.
 _SIMPLE_OPS = {k.value: v for k, v in _OP_NAMES.items() if k not in (_RedOp.PREMUL_SUM, _RedOp.AVG)}
 # A ReduceOp hashes to its op's value in torch 2.13, a third of the cost of reading .op.value; used only if so.
 _HASH_IS_VALUE = all(hash(dist.ReduceOp(k)) == k.value for k in _OP_NAMES if k != _RedOp.PREMUL_SUM) and \
     hash(dist._make_nccl_premul_sum(2.0)) == _RedOp.PREMUL_SUM.value
 _SIMPLE_DTYPES = NATIVE
 _AVG_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float64}  # where an average cannot overflow
-_PLANS, _PLAN_BYTES = 32, 64 << 10  # small tensors whose all_reduce plans are kept (_all_reduce_now)
-# torch.distributed.all_reduce: when it calls with async_op=False, it waits for and drops the Work, and takes
-# None for a call done inside ("backends that sync at the C++ level"); making the Work cost a tenth of a small call.
+# dist.all_reduce(async_op=False) takes None for a call done inside, where a Work costs a tenth of a small call.
 _DIST_ALL_REDUCE = inspect.unwrap(dist.all_reduce).__code__
 _INTERNAL_TAG = 1 << 61  # tags of the backend's own messages: far above any tag a torch program uses
 _INTERNAL_TAGS = 1 << 60
-
-
-
-def _async_requested(opts: Any) -> bool | None:
-    """How to run a call: True, start it asynchronously (asked for, and TCOLL_TORCH_ASYNC=1); None, hold it
-    until it is waited for (asked for async_op; see work.Held); False, run it now."""
-    if not getattr(opts, "asyncOp", False):
-        return False
-    return True if os.environ.get("TCOLL_TORCH_ASYNC", "0") == "1" else None
 
 
 class ProcessGroupTcoll(dist.ProcessGroup):
@@ -106,7 +94,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._sequence = 0
         self._chain_tag = 0  # reduce calls so far (their tags, above the users' tags)
         self._chunk = Settings.from_env().coll_chunk  # bytes per message of the reduce chain
-        self._plans: dict[tuple[int, int, torch.dtype, str], Callable[[], Any]] = {}  # see _all_reduce_now
+        self._plans = AllReducePlans(comm)  # a small tensor's all_reduce, bound once (see .plans)
 
     # -- identity -------------------------------------------------------------------
 
@@ -253,7 +241,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                     if sys._getframe(1).f_code is _DIST_ALL_REDUCE:
                         return None  # torch's blocking all_reduce takes None as "done" and drops any Work
                     return completed(self, tensors)
-                mode = _async_requested(opts)
+                mode = async_requested(opts)
                 if mode is None:
                     return self._issue(tensors, lambda _: self._all_reduce_now(t, name), None)
                 if mode and not self.comm.closed:
@@ -268,13 +256,13 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                     all_reduce_sparse(self.comm, t, self._reduction(opts.reduceOp, t.dtype)[0])
                 return []
 
-            return self._issue(list(tensors), start_sparse, _async_requested(opts) and None)
+            return self._issue(list(tensors), start_sparse, async_requested(opts) and None)
         prepared = [self._in_place(t, opts.reduceOp) for t in tensors]
 
         def start(async_op: bool) -> list[Any]:
             return [self.comm.all_reduce(np_view(src), name, async_op=async_op) for src, name, _ in prepared]
 
-        return self._issue(list(tensors), start, _async_requested(opts), each(p[2] for p in prepared))
+        return self._issue(list(tensors), start, async_requested(opts), each(p[2] for p in prepared))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
         """All-reduce several tensors as one flat buffer per dtype (one tcoll call each)."""
@@ -300,7 +288,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                         m.copy_(flat[at:at + m.numel()].view(m.shape))
                         at += m.numel()
 
-        return self._issue(list(tensors), start, _async_requested(opts), finish)
+        return self._issue(list(tensors), start, async_requested(opts), finish)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
         """Reduce into the root's tensor along a pipelined chain, as gloo does.
@@ -328,7 +316,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                 finisher(src, t, int_avg, self.comm.size)()
             return []
 
-        return self._issue(list(tensors), start, _async_requested(opts) and None)
+        return self._issue(list(tensors), start, async_requested(opts) and None)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> TcollWork:
@@ -361,7 +349,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             return [self.comm.reduce_scatterv(np_view(src), counts, name, out=np_view(dst.reshape(-1)),
                                               async_op=async_op)]
 
-        return self._issue([output], start, _async_requested(opts), back)
+        return self._issue([output], start, async_requested(opts), back)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -391,7 +379,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         def start(async_op: bool) -> list[Any]:
             return [self.comm.broadcast(np_bytes(h.work), root, async_op=async_op) for h in held]
 
-        return self._issue(list(tensors), start, _async_requested(opts), each(h.back for h in held))
+        return self._issue(list(tensors), start, async_requested(opts), each(h.back for h in held))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> TcollWork:
@@ -417,7 +405,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                 return [work]
 
             parts = lambda: result_of(arrived[0])  # noqa: E731
-        return self._issue(list(outputs), start, _async_requested(opts), lambda: fill(outputs, parts()))
+        return self._issue(list(outputs), start, async_requested(opts), lambda: fill(outputs, parts()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -431,7 +419,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         def start(async_op: bool) -> list[Any]:
             return [self.comm.all_gather(send.numpy(), out=target.numpy(), async_op=async_op)]
 
-        return self._issue([output], start, _async_requested(opts), out.back)
+        return self._issue([output], start, async_requested(opts), out.back)
 
     _allgather_base = all_gather_single
 
@@ -469,7 +457,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                                      async_op=async_op)]
 
         finish = (lambda: fill(outputs, gathered)) if gathered is not None else None
-        return self._issue(list(outputs), start, _async_requested(opts), finish)
+        return self._issue(list(outputs), start, async_requested(opts), finish)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> TcollWork:
@@ -484,7 +472,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         def start(async_op: bool) -> list[Any]:
             return [self.comm.scatter(chunks, root, out=np_bytes(out.work), async_op=async_op)]
 
-        return self._issue([output_tensors[0]], start, _async_requested(opts), out.back)
+        return self._issue([output_tensors[0]], start, async_requested(opts), out.back)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> TcollWork:
@@ -501,7 +489,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                 return [self.comm.all_to_all(send.view(blocks).numpy(), out=recv.view(blocks).numpy(),
                                              async_op=async_op)]
 
-            return self._issue([output], start, _async_requested(opts), out.back)
+            return self._issue([output], start, async_requested(opts), out.back)
         arrived: list[Any] = []
         chunks = [c.numpy() for c in pieces(send, in_rows)]
 
@@ -514,7 +502,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             fill(pieces(recv, out_rows), result_of(arrived[0]))
             out.back()
 
-        return self._issue([output], start_v, _async_requested(opts), finish)
+        return self._issue([output], start_v, async_requested(opts), finish)
 
     alltoall_base = all_to_all_single
 
@@ -531,7 +519,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             arrived.append(work)
             return [work]
 
-        return self._issue(list(output_tensors), start, _async_requested(opts),
+        return self._issue(list(output_tensors), start, async_requested(opts),
                            lambda: fill(output_tensors, result_of(arrived[0])))
 
     def barrier(self, opts: Any = None) -> TcollWork:
@@ -540,7 +528,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         def start(async_op: bool) -> list[Any]:
             return [self.comm.barrier(async_op=async_op)]
 
-        return self._issue([], start, _async_requested(opts))
+        return self._issue([], start, async_requested(opts))
 
     # -- point to point -----------------------------------------------------------------
 
@@ -582,43 +570,20 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     # -- helpers ----------------------------------------------------------------------
 
     def _all_reduce_now(self, t: torch.Tensor, name: str) -> None:
-        """A blocking tcoll all_reduce of `t`'s memory; a small tensor's is a persistent plan kept for it.
-
-        Checking and binding a call costs more than a small call itself
-        (measured: about as much as the rest of the backend's work), and
-        DDP's buckets and a latency loop reduce the same tensors again and
-        again. A plan holds its tensor's memory, so only small tensors get
-        one, at most _PLANS of them; a plan is found by address, size, dtype
-        and op, which only the same memory can match while the plan lives.
+        """A blocking tcoll all_reduce of `t`'s memory (a kept plan if `t` is small: tcoll.torch.plans).
 
         Raises:
             TimeoutError: worded as torch's backends word it (`timed_out`).
             TcollError: the group is shut down, or the call failed.
         """
         try:
-            run = self._plans.get((t.data_ptr(), t.numel(), t.dtype, name))
-            if run is None:
-                run = self._plan(t, name)
-            run()
+            self._plans.run(t, name)
         except TcollTimeout as exc:
             raise timed_out(exc) from exc
         except TcollError as exc:
             if self.comm.closed:
                 raise self._shut_down() from exc
             raise
-
-    def _plan(self, t: torch.Tensor, name: str) -> Callable[[], Any]:
-        """What runs `t`'s all_reduce: a new plan, kept if `t` is small, or the ordinary call."""
-        if t.numel() * t.element_size() > _PLAN_BYTES:
-            return lambda: self.comm.all_reduce(np_view(t), name)
-        try:
-            run = self.comm.all_reduce_init(np_view(t), name).runner()
-        except Exception:  # noqa: BLE001 - the ordinary call raises it, and tells the other ranks
-            return lambda: self.comm.all_reduce(np_view(t), name)  # (a plan's checks are local)
-        if len(self._plans) >= _PLANS:
-            self._plans.clear()
-        self._plans[(t.data_ptr(), t.numel(), t.dtype, name)] = run
-        return run
 
     def _shut_down(self) -> TcollError:
         return TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")

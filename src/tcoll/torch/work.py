@@ -11,6 +11,7 @@ allreduce hook.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from ..errors import TimeoutError as TcollTimeout
 if TYPE_CHECKING:
     from .process_group import ProcessGroupTcoll
 
-__all__ = ["TcollWork", "completed", "Held", "Finish", "drop_held", "held_calls", "run_held", "seconds", "each", "chain",
+__all__ = ["TcollWork", "completed", "async_requested", "Held", "Finish", "drop_held", "held_calls", "run_held", "seconds", "each", "chain",
            "result_of", "timed_out"]
 
 Finish = Callable[[], None]
@@ -49,6 +50,14 @@ def seconds(timeout: Any) -> float | None:
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout) / 1000.0
     return seconds if seconds > 0 else None
+
+
+def async_requested(opts: Any) -> bool | None:
+    """How to run a call: True, start it asynchronously (asked for, and TCOLL_TORCH_ASYNC=1); None, hold it
+    until it is waited for (asked for async_op; see Held); False, run it now."""
+    if not getattr(opts, "asyncOp", False):
+        return False
+    return True if os.environ.get("TCOLL_TORCH_ASYNC", "0") == "1" else None
 
 
 held_calls: list[Held] = []  # calls held back until waited for, in the order they were made (every group's)

@@ -298,7 +298,7 @@ static PyMethodDef Kernel_methods[] = {
 
 static PyTypeObject KernelType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tcoll._arena_kernel.Kernel",
+    .tp_name = "tcoll.shm._arena_kernel.Kernel",
     .tp_basicsize = sizeof(Kernel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The small-reduction step of one arena, over addresses of its mapping.",
@@ -308,7 +308,7 @@ static PyTypeObject KernelType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "tcoll._arena_kernel", "The arena's small-reduction step in C.", -1,
+    PyModuleDef_HEAD_INIT, "tcoll.shm._arena_kernel", "The arena's small-reduction step in C.", -1,
     NULL, NULL, NULL, NULL, NULL,
 };
 
