@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -27,6 +28,9 @@ from tcoll.shm import arena as arena_module
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 needs_kernel = pytest.mark.skipif(arena_module.kernel_module is None, reason="the C kernel is not built")
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+SLOT = "64K"  # the ranks' arena slot: calls larger than it take the pipelined steps
+PIPELINED = 3 * 65536 + 1000  # bytes: four pieces, the last one short
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor, "avg": np.add}
 
@@ -51,10 +55,14 @@ def _counting(comm: tcoll.Communicator) -> CountingKernel:
     return arena.kernel
 
 
+def _floating(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
 def _inputs(rank: int, dtype: np.dtype, count: int, salt: int) -> np.ndarray:
     """Rank `rank`'s input: special values where the dtype has them, the rest seeded."""
     rng = np.random.default_rng(1000 * rank + salt)
-    if dtype.kind == "f":
+    if _floating(dtype):
         specials = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e30, -1e-30, 3.5], dtype=dtype)
         values = (rng.standard_normal(count) * 100).astype(dtype)
         values[: min(count, 8)] = np.roll(specials, rank)[: min(count, 8)]
@@ -77,8 +85,9 @@ def _expected(op: str, inputs: list[np.ndarray]) -> np.ndarray:
 
 def _same(got: np.ndarray, want: np.ndarray) -> bool:
     """Equal element by element, NaN where NaN, and the sign of every number (zeros too) but NaN's."""
-    if got.dtype.kind != "f":
+    if not _floating(got.dtype):
         return bool(np.array_equal(got, want))
+    got, want = got.astype(np.float64), want.astype(np.float64)  # exact for every float dtype here
     numbers = ~np.isnan(want)
     return bool(np.array_equal(got, want, equal_nan=True)
                 and np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers])))
@@ -94,9 +103,9 @@ def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list
         assert comm._dispatch.arena.kernel is None
     bad = []
     for dtype in arena_module.KERNEL_DTYPES:
-        ops = ["sum", "prod", "min", "max"] + (["avg"] if dtype.kind == "f" else ["band", "bor", "bxor"])
+        ops = ["sum", "prod", "min", "max"] + (["avg"] if _floating(dtype) else ["band", "bor", "bxor"])
         for op in ops:
-            for count in (1, 37, 16384 // dtype.itemsize):
+            for count in (1, 37, 16384 // dtype.itemsize, PIPELINED // dtype.itemsize):
                 salt = count + len(op)
                 inputs = [_inputs(q, dtype, count, salt) for q in range(comm.size)]
                 with np.errstate(all="ignore"):
@@ -119,8 +128,9 @@ def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "python"])
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_every_dtype_and_op_matches_numpy(size: int, use_kernel: bool) -> None:
-    """The kernel (and the Python steps it stands for) give NumPy's results bit for bit, in rank order."""
-    results = tcoll.spawn(every_dtype_and_op, size, (use_kernel,), timeout=160, transport="shm")
+    """The kernel (and the Python steps it stands for) give NumPy's results bit for bit, in rank order: in the
+    one step of small calls and in the pieces of the pipelined steps (the C kernel's combine)."""
+    results = tcoll.spawn(every_dtype_and_op, size, (use_kernel,), timeout=160, transport="shm", shm_slot=SLOT)
     assert not [f for bad, _ in results for f in bad], results
     if use_kernel:  # the kernel ran the calls (each took one of its three ways)
         assert all(sum(states.values()) > 0 for _, states in results), results

@@ -37,7 +37,7 @@
 enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2 };
 
 /* dtype codes (tcoll.shm.arena.KERNEL_DTYPES) and op codes (KERNEL_OPS) */
-enum { F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, NDTYPES };
+enum { F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, F16, BF16, NDTYPES };
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_BAND, OP_BOR, OP_BXOR, NOPS };
 
 typedef struct {
@@ -140,13 +140,134 @@ static void ring_sleepers(const Kernel *k) {
 /* Compiled for the widest vectors the CPU has (chosen once, at load): the loops are bound by memory,
  * and wider loads and stores move it faster. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define WIDEST __attribute__((target_clones("avx512f", "avx2", "default")))
+#define WIDEST __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
 #else
 #define WIDEST
 #endif
 
+/* Half precision, as NumPy (float16) and ml_dtypes (bfloat16) compute it: each operation in float32,
+ * rounded back to nearest-even after every operation (so a sum over ranks rounds after each rank). */
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (isnan(f)) return (uint16_t)((u >> 16) | 0x40);  /* quiet, sign kept */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* LT and GT: how minimum and maximum compare; on a tie NumPy's float16 keeps the first operand (<=, >=),
+ * ml_dtypes' bfloat16 the second (<, >), as float32 does. */
+#define HALF_OPS(T, TO_F, FROM_F, LT, GT)                                       \
+    switch (op) {                                                               \
+    case OP_SUM: COMBINE_LOOP(T, FROM_F(TO_F(x) + TO_F(y))); return 1;          \
+    case OP_PROD: COMBINE_LOOP(T, FROM_F(TO_F(x) * TO_F(y))); return 1;         \
+    case OP_MIN: COMBINE_LOOP(T, (TO_F(x) LT TO_F(y) || isnan(TO_F(x))) ? x : y); return 1; \
+    case OP_MAX: COMBINE_LOOP(T, (TO_F(x) GT TO_F(y) || isnan(TO_F(x))) ? x : y); return 1; \
+    default: return 0;                                                          \
+    }
+
+/* IEEE half <-> float, exact, rounding to nearest-even (F. Giesen's branch-light conversions). */
+static inline float f16_to_float(uint16_t h) {
+    const uint32_t shifted_exp = 0x7c00u << 13;
+    uint32_t o = (uint32_t)(h & 0x7fffu) << 13;
+    uint32_t exp = shifted_exp & o;
+    float f;
+    o += (uint32_t)(127 - 15) << 23;
+    if (exp == shifted_exp) {
+        o += (uint32_t)(128 - 16) << 23;  /* Inf, NaN */
+    } else if (exp == 0) {                /* zero, subnormal: renormalise through a float subtraction */
+        const uint32_t magic_bits = 113u << 23;
+        float magic;
+        memcpy(&magic, &magic_bits, sizeof magic);
+        o += 1u << 23;
+        memcpy(&f, &o, sizeof f);
+        f -= magic;
+        memcpy(&o, &f, sizeof o);
+    }
+    o |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &o, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_f16(float value) {
+    const uint32_t f32_infinity = 255u << 23, f16_max = (127u + 16u) << 23;
+    const uint32_t denorm_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    float denorm_magic;
+    memcpy(&denorm_magic, &denorm_bits, sizeof denorm_magic);
+    uint32_t f;
+    memcpy(&f, &value, sizeof f);
+    uint32_t sign = f & 0x80000000u;
+    uint16_t o;
+    f ^= sign;
+    if (f >= f16_max) {
+        o = f > f32_infinity ? 0x7e00 : 0x7c00;  /* NaN (quiet), Inf */
+    } else if (f < (113u << 23)) {               /* a subnormal half, or zero: rounded by a float addition */
+        float t;
+        memcpy(&t, &f, sizeof t);
+        t += denorm_magic;
+        uint32_t bits;
+        memcpy(&bits, &t, sizeof bits);
+        o = (uint16_t)(bits - denorm_bits);
+    } else {
+        uint32_t mant_odd = (f >> 13) & 1u;
+        f += ((uint32_t)(15 - 127) << 23) + 0xfffu;
+        f += mant_odd;
+        o = (uint16_t)(f >> 13);
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_F16C_PATH 1
+/* float16 eight at a time with the F16C conversions (exact, nearest-even), where the CPU has them. */
+__attribute__((target("avx2,f16c")))
+static int combine_f16_f16c(int op, uint16_t *out, const uint16_t *a, const uint16_t *b, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+        __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
+        __m256 r;
+        switch (op) {
+        case OP_SUM: r = _mm256_add_ps(x, y); break;
+        case OP_PROD: r = _mm256_mul_ps(x, y); break;
+        case OP_MIN: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_LE_OQ),
+                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
+        case OP_MAX: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_GE_OQ),
+                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
+        default: return 0;
+        }
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; i < n; i++) {
+        float x = f16_to_float(a[i]), y = f16_to_float(b[i]);
+        switch (op) {
+        case OP_SUM: out[i] = float_to_f16(x + y); break;
+        case OP_PROD: out[i] = float_to_f16(x * y); break;
+        case OP_MIN: out[i] = (x <= y || isnan(x)) ? a[i] : b[i]; break;
+        default: out[i] = (x >= y || isnan(x)) ? a[i] : b[i]; break;
+        }
+    }
+    return 1;
+}
+#endif
+
 /* out = lower op higher, elementwise over n items (out may alias lower). */
+static int has_f16c = -1;  /* whether this CPU has F16C (asked once) */
+
 WIDEST static int combine(int dtype, int op, void *out, const void *lower, const void *higher, Py_ssize_t n) {
+#ifdef HAVE_F16C_PATH
+    if (dtype == F16 && op <= OP_MAX) {
+        if (has_f16c < 0) has_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+        if (has_f16c) return combine_f16_f16c(op, out, lower, higher, n);
+    }
+#endif
     switch (dtype) {
     case F32: FLOAT_OPS(float)
     case F64: FLOAT_OPS(double)
@@ -158,11 +279,13 @@ WIDEST static int combine(int dtype, int op, void *out, const void *lower, const
     case U16: INT_OPS(uint16_t, uint16_t)
     case U32: INT_OPS(uint32_t, uint32_t)
     case U64: INT_OPS(uint64_t, uint64_t)
+    case F16: HALF_OPS(uint16_t, f16_to_float, float_to_f16, <=, >=)
+    case BF16: HALF_OPS(uint16_t, bf16_to_float, float_to_bf16, <, >)
     default: return 0;
     }
 }
 
-static const Py_ssize_t ITEMSIZE[NDTYPES] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
+static const Py_ssize_t ITEMSIZE[NDTYPES] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 2, 2};
 
 static uint8_t *slot_of(const Kernel *k, int rank, uint64_t step) {
     return k->data + ((Py_ssize_t)(step % SETS) * k->size + rank) * k->slot_bytes;
@@ -291,6 +414,47 @@ out:
     return PyLong_FromLong(state);
 }
 
+/* combine(dtype, op, out, lower, higher): out = lower op higher over buffers of equal length (out may be
+ * lower); False if this dtype does not take the op here. The pipelined steps reduce their pieces with it. */
+static PyObject *module_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "combine(dtype, op, out, lower, higher)");
+        return NULL;
+    }
+    int dtype = (int)PyLong_AsLong(args[0]);
+    int op = (int)PyLong_AsLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (dtype < 0 || dtype >= NDTYPES || op < 0 || op >= NOPS) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: unknown dtype or op code");
+        return NULL;
+    }
+    Py_buffer out, lower, higher;
+    if (PyObject_GetBuffer(args[2], &out, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[3], &lower, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&out); return NULL; }
+    if (PyObject_GetBuffer(args[4], &higher, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&lower);
+        return NULL;
+    }
+    int ok = -1;
+    if (out.len == lower.len && out.len == higher.len && out.len % ITEMSIZE[dtype] == 0)
+        ok = combine(dtype, op, out.buf, lower.buf, higher.buf, out.len / ITEMSIZE[dtype]);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&lower);
+    PyBuffer_Release(&higher);
+    if (ok < 0) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: combine needs three buffers of one length");
+        return NULL;
+    }
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef module_methods[] = {
+    {"combine", (PyCFunction)(void (*)(void))module_combine, METH_FASTCALL, "out = lower op higher (see the source)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef Kernel_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Kernel_run, METH_FASTCALL, "One small reduction step (see the module)."},
     {NULL, NULL, 0, NULL},
@@ -309,7 +473,7 @@ static PyTypeObject KernelType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "tcoll.shm._arena_kernel", "The arena's small-reduction step in C.", -1,
-    NULL, NULL, NULL, NULL, NULL,
+    module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__arena_kernel(void) {

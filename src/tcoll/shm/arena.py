@@ -30,6 +30,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
+import ml_dtypes
 import numpy as np
 
 from ..algos.stamps import describe, disagreement
@@ -47,7 +48,7 @@ except ImportError:  # pragma: no cover - built without it: the same steps run i
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment",
+__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment",
            "encode_address", "decode_address"]
 
 SETS = 2  # slot sets: step k uses set k % SETS
@@ -60,8 +61,23 @@ _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
 # What the C kernel reduces (codes of _arena_kernel.c); anything else is reduced in Python.
 KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
-    (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))}
+    (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+     np.float16, ml_dtypes.bfloat16))}
 KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later
+
+
+def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -> None:
+    """op.combine_all(parts, out) of a direct algorithm: in C where the arena has the kernel and it takes
+    the dtype and op (the same results as NumPy's, bit for bit), else NumPy's."""
+    if arena.kernel is not None and len(parts) > 1:
+        dtype, code = KERNEL_DTYPES.get(out.dtype), KERNEL_OPS.get(op)
+        if dtype is not None and code is not None:
+            combine = kernel_module.combine
+            combine(dtype, code, out, parts[0], parts[1])
+            for part in parts[2:]:
+                combine(dtype, code, out, out, part)
+            return
+    op.combine_all(parts, out)
 
 
 class Arena:

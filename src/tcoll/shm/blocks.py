@@ -16,7 +16,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import displacements
 from ..ops import Op
-from .arena import Arena
+from .arena import Arena, combine_all
 
 __all__: list[str] = []
 
@@ -264,7 +264,7 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
             at, end = me * share, me * share + hi - lo
             parts = [(arena.slot(q, step)[at:end] if src is None else src[disp[me] + lo:disp[me] + hi]).view(dtype)
                      for q, src in enumerate(sources)]
-            op.combine_all(parts, out_raw[lo:hi].view(dtype))
+            combine_all(arena, op, parts, out_raw[lo:hi].view(dtype))
     arena.finish_lending(total, ref is not None)
 
 

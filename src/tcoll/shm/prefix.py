@@ -15,7 +15,7 @@ import numpy as np
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..ops import Op
-from .arena import Arena
+from .arena import Arena, combine_all
 
 __all__: list[str] = []
 
@@ -70,4 +70,5 @@ def _prefix_direct(arena: Arena, buf: np.ndarray, op: Op, upto: int) -> None:
         else:
             arena.wait_all(step)
         if upto:
-            op.combine_all([arena.slot(q, step)[:hi - lo].view(dtype) for q in range(upto)], raw[lo:hi].view(dtype))
+            combine_all(arena, op, [arena.slot(q, step)[:hi - lo].view(dtype) for q in range(upto)],
+                        raw[lo:hi].view(dtype))

@@ -26,7 +26,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
-from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, kernel_module
+from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, kernel_module
 
 DONE, PUBLISHED = (kernel_module.DONE, kernel_module.PUBLISHED) if kernel_module is not None else (2, 1)
 
@@ -110,7 +110,7 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
             if state == PUBLISHED:
                 arena.agree(arena.first)
                 if want:
-                    op.combine_all(arena.typed_slots(arena.first, buf.dtype, buf.nbytes), buf)
+                    combine_all(arena, op, arena.typed_slots(arena.first, buf.dtype, buf.nbytes), buf)
                 return
     step = arena.first_step()
     slots = arena.typed_slots(step, buf.dtype, buf.nbytes)
@@ -118,7 +118,7 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     arena.publish(step)
     arena.agree(step)
     if want:
-        op.combine_all(slots, buf)
+        combine_all(arena, op, slots, buf)
 
 
 def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
@@ -147,7 +147,7 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         parts = [(arena.slot(q, step)[a:b] if src is None else src[lo + a:lo + b]).view(dtype)
                  for q, src in enumerate(sources)]
         result = arena.claim()  # the result lies in rank 0's slot of this step, 1/p written by each rank
-        op.combine_all(parts, arena.slot(0, result)[a:b].view(dtype))
+        combine_all(arena, op, parts, arena.slot(0, result)[a:b].view(dtype))
         arena.publish(result)
         if wants_result or (ref is not None and hi == total):  # a lender waits until nobody reads it
             arena.wait_all(result)
