@@ -9,7 +9,9 @@ import pytest
 from tcoll.comm import describe
 
 DTYPES = [np.bool_, np.int8, np.uint16, np.int64, np.float16, ml_dtypes.bfloat16, np.float32, np.complex128,
-          np.dtype(">i4"), np.dtype([("value", np.float64), ("index", np.int64)])]
+          np.dtype(">i4"), np.dtype([("value", np.float64), ("index", np.int64)]),
+          np.dtype([("a", ">i2", (2, 3)), ("b", [("x", "<f8"), ("y", "u1")])]),  # sub-arrays, nesting
+          np.dtype({"names": ["a", "b"], "formats": ["<f4", "<i2"], "titles": ["T1", None]})]  # a titled field
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -37,3 +39,4 @@ def test_a_description_that_does_not_fit_is_refused() -> None:
     wide = np.dtype([(f"field_{i}", np.float64) for i in range(40)])
     with pytest.raises(ValueError, match="cannot describe"):
         describe.encode(np.zeros(1, dtype=wide))
+

@@ -8,7 +8,7 @@ buffer, so it can travel through any collective algorithm; it holds text
 
 from __future__ import annotations
 
-import ast
+import json
 import functools
 from typing import Any
 
@@ -26,7 +26,7 @@ _EXTRA = {"bfloat16": np.dtype(ml_dtypes.bfloat16)}
 def dtype_name(dtype: np.dtype) -> str:
     """A name from which `dtype_from_name` rebuilds `dtype`, byte order and structured dtypes included."""
     if dtype.names is not None:
-        return repr(dtype.descr)
+        return json.dumps(dtype.descr)
     if dtype in _EXTRA.values():
         return dtype.name
     return dtype.str  # "<f4", ">i4", "|b1": keeps the byte order that .name drops
@@ -37,8 +37,20 @@ def dtype_from_name(name: str) -> np.dtype:
     if name in _EXTRA:
         return _EXTRA[name]
     if name.startswith("["):
-        return np.dtype(ast.literal_eval(name))
+        # JSON, not ast.literal_eval: CPython 3.11's parser fails ("AST constructor recursion depth
+        # mismatch") when ranks that are threads of one process parse at the same time.
+        return np.dtype(_descr(json.loads(name)))
     return np.dtype(name)
+
+
+def _descr(fields: list[Any]) -> list[tuple[Any, ...]]:
+    """A structured dtype's descr from its JSON form: lists back to the tuples NumPy wants."""
+    out = []
+    for field in fields:
+        name, kind, *shape = field
+        name = tuple(name) if isinstance(name, list) else name  # (title, name)
+        out.append((name, _descr(kind) if isinstance(kind, list) else kind, *(tuple(s) for s in shape)))
+    return out
 
 
 def encode(obj: Any) -> np.ndarray:
