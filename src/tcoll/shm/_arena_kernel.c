@@ -157,8 +157,9 @@ static inline float bf16_to_float(uint16_t b) {
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if (isnan(f)) return (uint16_t)((u >> 16) | 0x40);  /* quiet, sign kept */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet = (u >> 16) | 0x40u;  /* a NaN stays a NaN, quiet, its sign kept */
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet : rounded);  /* branch-free: it vectorises */
 }
 
 /* LT and GT: how minimum and maximum compare; on a tie NumPy's float16 keeps the first operand (<=, >=),
@@ -256,6 +257,49 @@ static int combine_f16_f16c(int op, uint16_t *out, const uint16_t *a, const uint
     }
     return 1;
 }
+
+/* bfloat16 eight at a time with AVX2: widen to float, operate, round back to nearest-even (NaN kept quiet). */
+__attribute__((target("avx2")))
+static int combine_bf16_avx2(int op, uint16_t *out, const uint16_t *a, const uint16_t *b, Py_ssize_t n) {
+    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), quiet_bit = _mm256_set1_epi32(0x40);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16));
+        __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + i))), 16));
+        __m256 r;
+        switch (op) {
+        case OP_SUM: r = _mm256_add_ps(x, y); break;
+        case OP_PROD: r = _mm256_mul_ps(x, y); break;
+        case OP_MIN: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_LT_OQ),
+                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
+        case OP_MAX: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_GT_OQ),
+                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
+        default: return 0;
+        }
+        __m256i u = _mm256_castps_si256(r);
+        __m256i high = _mm256_srli_epi32(u, 16);
+        __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias),
+                                                             _mm256_and_si256(high, one)), 16);
+        __m256i quiet = _mm256_or_si256(high, quiet_bit);
+        __m256i words = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                                             _mm256_castsi256_ps(quiet),
+                                                             _mm256_cmp_ps(r, r, _CMP_UNORD_Q)));
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(words, words), 0x08);
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_castsi256_si128(packed));
+    }
+    for (; i < n; i++) {
+        float x = bf16_to_float(a[i]), y = bf16_to_float(b[i]);
+        switch (op) {
+        case OP_SUM: out[i] = float_to_bf16(x + y); break;
+        case OP_PROD: out[i] = float_to_bf16(x * y); break;
+        case OP_MIN: out[i] = (x < y || isnan(x)) ? a[i] : b[i]; break;
+        default: out[i] = (x > y || isnan(x)) ? a[i] : b[i]; break;
+        }
+    }
+    return 1;
+}
 #endif
 
 /* out = lower op higher, elementwise over n items (out may alias lower). */
@@ -263,9 +307,11 @@ static int has_f16c = -1;  /* whether this CPU has F16C (asked once) */
 
 WIDEST static int combine(int dtype, int op, void *out, const void *lower, const void *higher, Py_ssize_t n) {
 #ifdef HAVE_F16C_PATH
-    if (dtype == F16 && op <= OP_MAX) {
+    if ((dtype == F16 || dtype == BF16) && op <= OP_MAX) {
         if (has_f16c < 0) has_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
-        if (has_f16c) return combine_f16_f16c(op, out, lower, higher, n);
+        if (has_f16c)
+            return dtype == F16 ? combine_f16_f16c(op, out, lower, higher, n)
+                                : combine_bf16_avx2(op, out, lower, higher, n);
     }
 #endif
     switch (dtype) {
