@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 
 from .collectives import BenchCase, Buffers, Params, Pattern, count_wrong, layout
-from .gloo_worker import TorchDistBackend
-from .runner import sweep
-from .worker_io import read_plan, write_result
+from .gloo_worker import TorchDistBackend, serve
+from .worker_io import read_plan
 
 __all__ = ["DTYPES", "DeepSpeedBackend", "refusal", "shm_segment", "unreduced"]
 
@@ -143,14 +142,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", r"(overflow|invalid value) encountered", RuntimeWarning)
     plan, out = read_plan()
-    backend = DeepSpeedBackend()
-    try:
-        rows = sweep(backend, plan)
-        if backend.rank == 0:
-            write_result(out, {"rows": rows, "info": backend.info()})
-        backend.barrier()
-    finally:
-        backend.close()
+    serve(DeepSpeedBackend(), plan, out)
 
 
 if __name__ == "__main__":

@@ -81,10 +81,8 @@ class GlooBackend(TorchDistBackend):
         self.dist.destroy_process_group()
 
 
-def main() -> None:
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    plan, out = read_plan()
-    backend = GlooBackend()
+def serve(backend: TorchDistBackend, plan: dict[str, Any], out: str) -> None:
+    """Run `plan` on this rank (rank 0 writes the rows to `out`); the group is closed whatever happens."""
     try:
         rows = sweep(backend, plan)
         if backend.rank == 0:
@@ -92,6 +90,12 @@ def main() -> None:
         backend.barrier()
     finally:
         backend.close()
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    plan, out = read_plan()
+    serve(GlooBackend(), plan, out)
 
 
 if __name__ == "__main__":
