@@ -227,6 +227,36 @@ static inline uint16_t float_to_f16(float value) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_F16C_PATH 1
+/* op on eight floats; min and max keep x on a tie if tie_first (float16), else y (bfloat16), x if it is NaN. */
+__attribute__((target("avx2")))
+static inline __m256 op8(int op, __m256 x, __m256 y, int tie_first) {
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    switch (op) {
+    case OP_SUM: return _mm256_add_ps(x, y);
+    case OP_PROD: return _mm256_mul_ps(x, y);
+    case OP_MIN:
+        return _mm256_blendv_ps(y, x, _mm256_or_ps(tie_first ? _mm256_cmp_ps(x, y, _CMP_LE_OQ)
+                                                             : _mm256_cmp_ps(x, y, _CMP_LT_OQ), nan));
+    default:
+        return _mm256_blendv_ps(y, x, _mm256_or_ps(tie_first ? _mm256_cmp_ps(x, y, _CMP_GE_OQ)
+                                                             : _mm256_cmp_ps(x, y, _CMP_GT_OQ), nan));
+    }
+}
+
+/* The last items of a vector loop over half-precision words, one at a time (as op8 would). */
+static inline void half_tail(int op, uint16_t *out, const uint16_t *a, const uint16_t *b, Py_ssize_t i,
+                             Py_ssize_t n, float (*to_f)(uint16_t), uint16_t (*from_f)(float), int tie_first) {
+    for (; i < n; i++) {
+        float x = to_f(a[i]), y = to_f(b[i]);
+        switch (op) {
+        case OP_SUM: out[i] = from_f(x + y); break;
+        case OP_PROD: out[i] = from_f(x * y); break;
+        case OP_MIN: out[i] = ((tie_first ? x <= y : x < y) || isnan(x)) ? a[i] : b[i]; break;
+        default: out[i] = ((tie_first ? x >= y : x > y) || isnan(x)) ? a[i] : b[i]; break;
+        }
+    }
+}
+
 /* float16 eight at a time with the F16C conversions (exact, nearest-even), where the CPU has them. */
 __attribute__((target("avx2,f16c")))
 static int combine_f16_f16c(int op, uint16_t *out, const uint16_t *a, const uint16_t *b, Py_ssize_t n) {
@@ -234,27 +264,10 @@ static int combine_f16_f16c(int op, uint16_t *out, const uint16_t *a, const uint
     for (; i + 8 <= n; i += 8) {
         __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
         __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
-        __m256 r;
-        switch (op) {
-        case OP_SUM: r = _mm256_add_ps(x, y); break;
-        case OP_PROD: r = _mm256_mul_ps(x, y); break;
-        case OP_MIN: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_LE_OQ),
-                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
-        case OP_MAX: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_GE_OQ),
-                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
-        default: return 0;
-        }
+        __m256 r = op8(op, x, y, 1);
         _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
     }
-    for (; i < n; i++) {
-        float x = f16_to_float(a[i]), y = f16_to_float(b[i]);
-        switch (op) {
-        case OP_SUM: out[i] = float_to_f16(x + y); break;
-        case OP_PROD: out[i] = float_to_f16(x * y); break;
-        case OP_MIN: out[i] = (x <= y || isnan(x)) ? a[i] : b[i]; break;
-        default: out[i] = (x >= y || isnan(x)) ? a[i] : b[i]; break;
-        }
-    }
+    half_tail(op, out, a, b, i, n, f16_to_float, float_to_f16, 1);
     return 1;
 }
 
@@ -268,16 +281,7 @@ static int combine_bf16_avx2(int op, uint16_t *out, const uint16_t *a, const uin
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16));
         __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + i))), 16));
-        __m256 r;
-        switch (op) {
-        case OP_SUM: r = _mm256_add_ps(x, y); break;
-        case OP_PROD: r = _mm256_mul_ps(x, y); break;
-        case OP_MIN: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_LT_OQ),
-                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
-        case OP_MAX: r = _mm256_blendv_ps(y, x, _mm256_or_ps(_mm256_cmp_ps(x, y, _CMP_GT_OQ),
-                                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q))); break;
-        default: return 0;
-        }
+        __m256 r = op8(op, x, y, 0);
         __m256i u = _mm256_castps_si256(r);
         __m256i high = _mm256_srli_epi32(u, 16);
         __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias),
@@ -289,15 +293,7 @@ static int combine_bf16_avx2(int op, uint16_t *out, const uint16_t *a, const uin
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(words, words), 0x08);
         _mm_storeu_si128((__m128i *)(out + i), _mm256_castsi256_si128(packed));
     }
-    for (; i < n; i++) {
-        float x = bf16_to_float(a[i]), y = bf16_to_float(b[i]);
-        switch (op) {
-        case OP_SUM: out[i] = float_to_bf16(x + y); break;
-        case OP_PROD: out[i] = float_to_bf16(x * y); break;
-        case OP_MIN: out[i] = (x < y || isnan(x)) ? a[i] : b[i]; break;
-        default: out[i] = (x > y || isnan(x)) ? a[i] : b[i]; break;
-        }
-    }
+    half_tail(op, out, a, b, i, n, bf16_to_float, float_to_bf16, 0);
     return 1;
 }
 #endif
