@@ -173,8 +173,6 @@ class FakeArena:
     def __init__(self) -> None:
         import mmap
 
-        from tcoll.p2p.waiting import address_of
-
         self.desc_at, self.data_at = arena_module._layout(2)
         bell_at = arena_module.arena_bytes(2, self.SLOT)  # the peer's doorbell, past the arena
         self.map = mmap.mmap(-1, bell_at + 8)
@@ -182,8 +180,7 @@ class FakeArena:
         self.desc = np.frombuffer(self.map, np.uint64, 2 * 2 * 8, self.desc_at)
         self.bell = np.frombuffer(self.map, np.uint32, 2, bell_at)  # sequence, sleepers
         self.kernel = arena_module.kernel_module.Kernel(
-            address_of(self.map, 0), address_of(self.map, self.desc_at), address_of(self.map, self.data_at),
-            2, 0, self.SLOT, [address_of(self.map, bell_at)])
+            self.map, self.desc_at, self.data_at, 2, 0, self.SLOT, [memoryview(self.map)[bell_at:bell_at + 8]])
 
     def slot(self, rank: int, step: int, dtype: Any, count: int) -> np.ndarray:
         offset = self.data_at + ((step % 2) * 2 + rank) * self.SLOT
@@ -303,3 +300,32 @@ def test_the_kernel_is_built_where_a_compiler_is() -> None:
     if not (shutil.which("cc") or shutil.which("gcc")) or not sysconfig.get_paths().get("include"):
         pytest.skip("no C compiler or no Python headers here")
     assert arena_module.kernel_module is not None
+
+
+@needs_kernel
+def test_the_kernel_keeps_its_mappings_while_it_lives() -> None:
+    """A kernel holds exports of the arena and of the doorbells it rings, so that a call under way in one
+    thread survives another thread closing the communicator: the mapping cannot go while the kernel lives."""
+    import mmap
+
+    from tcoll.p2p.waiting import Doorbell
+
+    fake = FakeArena()
+    with pytest.raises(BufferError):
+        fake.map.close()
+    bell_map = mmap.mmap(-1, mmap.PAGESIZE)
+    bell = Doorbell(bell_map, 0)
+    kernel = arena_module.kernel_module.Kernel(fake.map, fake.desc_at, fake.data_at, 2, 0, FakeArena.SLOT,
+                                               [bell.memory])
+    bell.release()  # the transport closing its channel: tolerated, the kernel still holds the bell
+    with pytest.raises(BufferError):
+        bell_map.close()
+    bell_words = np.frombuffer(bell_map, np.uint32, 2)
+    bell_words[1] = 1  # the peer sleeps
+    fake.peer_publishes(0, STAMP, 1, np.ones(2))
+    assert kernel.run(np.ones(2), 0, 0, 0, STAMP, 1, 0, False, True) == arena_module.kernel_module.DONE
+    assert bell_words[0] == 1  # rung through the held view
+    del kernel, fake.kernel, bell, bell_words  # the doorbell's view goes with the last holder
+    fake.counters = fake.desc = fake.bell = None
+    bell_map.close()
+    fake.map.close()  # nothing holds them now

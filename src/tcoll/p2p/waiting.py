@@ -18,8 +18,7 @@ import platform
 import threading
 import time
 
-__all__ = ["Doorbell", "SpinPolicy", "fence", "cpu_count", "bind_share", "address_of", "FUTEX_AVAILABLE",
-           "FENCE_LOCK"]
+__all__ = ["Doorbell", "SpinPolicy", "fence", "cpu_count", "bind_share", "FUTEX_AVAILABLE", "FENCE_LOCK"]
 
 _FUTEX_SYSCALL = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98,
                   "ppc64le": 221, "s390x": 238, "i686": 240, "i386": 240}.get(platform.machine().lower())
@@ -89,7 +88,7 @@ def bind_share(index: int, count: int) -> list[int] | None:
     return mine
 
 
-def address_of(buf: mmap.mmap, offset: int) -> int:
+def _address_of(buf: mmap.mmap, offset: int) -> int:
     """The address of byte `offset` of a mapping (valid while the mapping lives)."""
     anchor = ctypes.c_char.from_buffer(buf, offset)
     address = ctypes.addressof(anchor)
@@ -111,7 +110,7 @@ class Doorbell:
         if offset % 4:
             raise ValueError("a doorbell must be 4-byte aligned")
         self._words = memoryview(buf)[offset:offset + self.SIZE].cast("I")
-        self._address = address_of(buf, offset)
+        self._address = _address_of(buf, offset)
 
     @classmethod
     def private(cls) -> Doorbell:
@@ -119,9 +118,9 @@ class Doorbell:
         return cls(mmap.mmap(-1, mmap.PAGESIZE), 0)
 
     @property
-    def address(self) -> int:
-        """The address of the doorbell's 8 bytes in this process (valid while its mapping lives)."""
-        return self._address
+    def memory(self) -> memoryview:
+        """The doorbell's 8 bytes (uint32 sequence, uint32 sleepers), for code that rings it from C."""
+        return self._words
 
     @property
     def sleepers(self) -> int:
@@ -175,8 +174,11 @@ class Doorbell:
                  ctypes.byref(ts), None, 0)
 
     def release(self) -> None:
-        """Drop the view into the mapping so that it can be closed."""
-        self._words.release()
+        """Drop the view into the mapping so that it can be closed (once nothing else holds the view)."""
+        try:
+            self._words.release()
+        except BufferError:  # the arena's C kernel still holds it: the mapping goes when the kernel does
+            pass
 
 
 class SpinPolicy:

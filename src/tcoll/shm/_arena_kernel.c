@@ -50,6 +50,11 @@ typedef struct {
     Py_ssize_t slot_bytes;
     int nbells;
     uint32_t *bells[MAX_BELLS];
+    /* The exports that keep the arena's mapping and the peers' doorbells mapped while this object lives: a
+     * call under way in one thread stays safe when another thread closes the communicator. */
+    Py_buffer arena;
+    Py_buffer *bell_views;
+    int held;  /* how many of bell_views are held; -1: not even the arena */
 } Kernel;
 
 static inline void cpu_relax(void) {
@@ -333,44 +338,84 @@ static uint8_t *slot_of(const Kernel *k, int rank, uint64_t step) {
     return k->data + ((Py_ssize_t)(step % SETS) * k->size + rank) * k->slot_bytes;
 }
 
-/* Kernel(counters, desc, data, size, rank, slot_bytes, bells): addresses in a mapping the Arena keeps alive. */
+static void Kernel_release(Kernel *self) {
+    if (self->held < 0) return;
+    for (int i = 0; i < self->held; i++) PyBuffer_Release(&self->bell_views[i]);
+    PyMem_Free(self->bell_views);
+    self->bell_views = NULL;
+    PyBuffer_Release(&self->arena);
+    self->held = -1;
+    self->nbells = 0;
+}
+
+static PyObject *Kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Kernel *self = (Kernel *)PyType_GenericNew(type, args, kwds);
+    if (self != NULL) self->held = -1;
+    return (PyObject *)self;
+}
+
+static void Kernel_dealloc(Kernel *self) {
+    Kernel_release(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Kernel(mapping, desc_at, data_at, size, rank, slot_bytes, bells): the arena's mapping (a writable buffer,
+ * counters at 0, descriptors at desc_at, slots at data_at) and each peer's doorbell (an 8-byte buffer). */
 static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
     (void)kwds;
-    unsigned long long counters, desc, data;
-    Py_ssize_t slot_bytes;
-    PyObject *bells;
-    if (!PyArg_ParseTuple(args, "KKKiinO", &counters, &desc, &data, &self->size, &self->rank, &slot_bytes, &bells))
+    PyObject *mapping, *bells;
+    Py_ssize_t desc_at, data_at, slot_bytes;
+    int size, rank;
+    if (!PyArg_ParseTuple(args, "OnniinO", &mapping, &desc_at, &data_at, &size, &rank, &slot_bytes, &bells))
         return -1;
-    PyObject *seq = PySequence_Fast(bells, "bells must be a sequence of addresses");
+    Kernel_release(self);
+    PyObject *seq = PySequence_Fast(bells, "bells must be a sequence of doorbell buffers");
     if (seq == NULL) return -1;
     Py_ssize_t nbells = PySequence_Fast_GET_SIZE(seq);
-    if (nbells > MAX_BELLS || self->size < 1 || self->rank < 0 || self->rank >= self->size || slot_bytes < 1) {
+    if (nbells > MAX_BELLS || size < 1 || rank < 0 || rank >= size || slot_bytes < 1 || desc_at < 8 * size ||
+        data_at < desc_at) {
         Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "arena kernel: bad size, rank, slot or number of doorbells");
+        PyErr_SetString(PyExc_ValueError, "arena kernel: bad layout, size, rank, slot or number of doorbells");
+        return -1;
+    }
+    if (PyObject_GetBuffer(mapping, &self->arena, PyBUF_WRITABLE) < 0) { Py_DECREF(seq); return -1; }
+    self->held = 0;
+    self->bell_views = PyMem_Calloc(nbells ? (size_t)nbells : 1, sizeof(Py_buffer));
+    if (self->bell_views == NULL) { Py_DECREF(seq); Kernel_release(self); PyErr_NoMemory(); return -1; }
+    if (data_at + SETS * (Py_ssize_t)size * slot_bytes > self->arena.len) {
+        Py_DECREF(seq);
+        Kernel_release(self);
+        PyErr_SetString(PyExc_ValueError, "arena kernel: the mapping is smaller than its layout");
         return -1;
     }
     for (Py_ssize_t i = 0; i < nbells; i++) {
-        unsigned long long address = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (PyErr_Occurred()) { Py_DECREF(seq); return -1; }
-        self->bells[i] = (uint32_t *)(uintptr_t)address;
+        Py_buffer *view = &self->bell_views[i];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), view, PyBUF_WRITABLE) < 0) {
+            Py_DECREF(seq);
+            Kernel_release(self);
+            return -1;
+        }
+        self->held = (int)i + 1;
+        if (view->len < 8) {
+            Py_DECREF(seq);
+            Kernel_release(self);
+            PyErr_SetString(PyExc_ValueError, "arena kernel: a doorbell is 8 bytes");
+            return -1;
+        }
+        self->bells[i] = (uint32_t *)view->buf;
     }
     Py_DECREF(seq);
+    uint8_t *base = (uint8_t *)self->arena.buf;
     self->nbells = (int)nbells;
-    self->counters = (uint64_t *)(uintptr_t)counters;
-    self->desc = (uint64_t *)(uintptr_t)desc;
-    self->data = (uint8_t *)(uintptr_t)data;
+    self->size = size;
+    self->rank = rank;
+    self->counters = (uint64_t *)base;
+    self->desc = (uint64_t *)(base + desc_at);
+    self->data = base + data_at;
     self->slot_bytes = slot_bytes;
     return 0;
 }
 
-/* run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want) -> NOT_STARTED, PUBLISHED or DONE
- *
- * buf: a writable C-contiguous buffer of at most slot_bytes; stamp: the call's 128-bit stamp (int).
- * NOT_STARTED: the step's slot set was still in use after spin_ns; nothing was written.
- * PUBLISHED: this rank's part of `step` is written and published (its peers were woken); Python waits
- *     for the others, checks the descriptors and reduces (tcoll.shm.arena.Arena.agree).
- * DONE: every rank published the same call and, if `want`, buf holds the reduction.
- */
 static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
 
 static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObject *stamp, uint64_t sequence) {
@@ -429,6 +474,10 @@ static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t narg
     if (PyErr_Occurred()) return NULL;
     if (dtype < 0 || dtype >= NDTYPES || op < 0 || op >= NOPS) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: unknown dtype or op code");
+        return NULL;
+    }
+    if (self->held < 0) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised");
         return NULL;
     }
     Py_buffer view;
@@ -510,7 +559,8 @@ static PyTypeObject KernelType = {
     .tp_doc = "The small-reduction step of one arena, over addresses of its mapping.",
     .tp_methods = Kernel_methods,
     .tp_init = (initproc)Kernel_init,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Kernel_new,
+    .tp_dealloc = (destructor)Kernel_dealloc,
 };
 
 static struct PyModuleDef module = {

@@ -37,7 +37,7 @@ from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
 from ..p2p import notice
 from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
-from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell, address_of
+from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
 from ..segments import Segment, new_segment, segment_name
 
 try:  # the small reduction step in C (_arena_kernel.c), built with the package where a compiler is
@@ -130,9 +130,10 @@ class Arena:
         """The C kernel of the small reduction step over this mapping, or None (not built, or no futex)."""
         if kernel_module is None or not FUTEX_AVAILABLE or len(self._bells) != self.size - 1:
             return None
-        bells = [bell.address for bell in self._bells]
-        return kernel_module.Kernel(address_of(buf, 0), address_of(buf, desc_at), address_of(buf, data_at),
-                                    self.size, self.rank, self.slot_bytes, bells)
+        # It holds exports of the mapping and of the doorbells: a call under way in one thread keeps them
+        # mapped while another thread closes the communicator (the mappings go with the kernel).
+        return kernel_module.Kernel(buf, desc_at, data_at, self.size, self.rank, self.slot_bytes,
+                                    [bell.memory for bell in self._bells])
 
     # -- setup --------------------------------------------------------------------
 
