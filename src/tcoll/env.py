@@ -99,6 +99,9 @@ class Settings:
             chain); small values exercise the multi-chunk paths (TCOLL_COLL_CHUNK).
         shm_slot: bytes each rank stages per step of the shared-memory direct collectives;
             larger messages are pipelined through its two slots (TCOLL_SHM_SLOT).
+        shm_kernel: "auto": the arena's steps of reductions run in the package's C kernel where it was
+            built; "off": always in Python (the same results; for comparing, or suspecting it)
+            (TCOLL_SHM_KERNEL).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
     """
@@ -118,6 +121,7 @@ class Settings:
     auth_key: str = ""
     coll_chunk: int = 1 << 20
     shm_slot: int = 1 << 20
+    shm_kernel: str = "auto"
     algorithms: str = ""
 
     _ENV = {
@@ -136,6 +140,7 @@ class Settings:
         "auth_key": ("TCOLL_AUTH_KEY", str),
         "coll_chunk": ("TCOLL_COLL_CHUNK", parse_size),
         "shm_slot": ("TCOLL_SHM_SLOT", parse_size),
+        "shm_kernel": ("TCOLL_SHM_KERNEL", str),
         "algorithms": ("TCOLL_ALGO", str),
     }
 
@@ -196,6 +201,8 @@ class Settings:
             raise ValueError(f"coll_chunk must be at least 16 bytes, not {self.coll_chunk}")
         if self.shm_slot < 64:
             raise ValueError(f"shm_slot must be at least 64 bytes, not {self.shm_slot}")
+        if self.shm_kernel not in ("auto", "off"):
+            raise ValueError(f"shm_kernel must be 'auto' or 'off', not {self.shm_kernel!r}")
         if self.bind not in ("auto", "none"):
             raise ValueError(f"bind must be 'auto' or 'none', not {self.bind!r}")
         if self.spin_us < 0 or self.spin_yield_us < 0 or self.liveness_interval <= 0:

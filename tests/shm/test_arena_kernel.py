@@ -95,8 +95,6 @@ def _same(got: np.ndarray, want: np.ndarray) -> bool:
 
 def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list[str], dict[int, int]]:
     """all_reduce and reduce of every kernel dtype and op against NumPy; (failures, kernel states seen)."""
-    if not use_kernel:
-        arena_module.kernel_module = None  # this rank's arena (made below) gets no kernel
     counting = _counting(comm) if use_kernel else None
     if not use_kernel:
         comm.barrier(algorithm="shm")
@@ -130,7 +128,8 @@ def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list
 def test_every_dtype_and_op_matches_numpy(size: int, use_kernel: bool) -> None:
     """The kernel (and the Python steps it stands for) give NumPy's results bit for bit, in rank order: in the
     one step of small calls and in the pieces of the pipelined steps (the C kernel's combine)."""
-    results = tcoll.spawn(every_dtype_and_op, size, (use_kernel,), timeout=160, transport="shm", shm_slot=SLOT)
+    results = tcoll.spawn(every_dtype_and_op, size, (use_kernel,), timeout=160, transport="shm", shm_slot=SLOT,
+                          shm_kernel="auto" if use_kernel else "off")
     assert not [f for bad, _ in results for f in bad], results
     if use_kernel:  # the kernel ran the calls (each took one of its three ways)
         assert all(sum(states.values()) > 0 for _, states in results), results

@@ -127,8 +127,9 @@ class Arena:
         self.kernel_yields = spin.oversubscribed
 
     def _make_kernel(self, buf: Any, desc_at: int, data_at: int) -> Any:
-        """The C kernel of the small reduction step over this mapping, or None (not built, or no futex)."""
-        if kernel_module is None or not FUTEX_AVAILABLE or len(self._bells) != self.size - 1:
+        """The C kernel of the small reduction step over this mapping, or None (not built, no futex, or off)."""
+        if kernel_module is None or not FUTEX_AVAILABLE or len(self._bells) != self.size - 1 or \
+                self._engine.settings.shm_kernel == "off":
             return None
         # It holds exports of the mapping and of the doorbells: a call under way in one thread keeps them
         # mapped while another thread closes the communicator (the mappings go with the kernel).
