@@ -328,3 +328,44 @@ def test_the_kernel_keeps_its_mappings_while_it_lives() -> None:
     fake.counters = fake.desc = fake.bell = None
     bell_map.close()
     fake.map.close()  # nothing holds them now
+
+
+def disagreement(comm: tcoll.Communicator, case: str) -> tuple[str, bool]:
+    """One call on which rank 0 differs from the others (through the one step, or across its limit), then a
+    right call: (what the differing call raised, or "no error"; whether the next call was right)."""
+    _counting(comm)
+    first = comm.rank == 0
+    count = 20000  # 80 KB of float32: one step since this round (above the old 16 KiB)
+    if case == "size across the one-step limit":  # 64 KiB slot: one rank's call fits it, the other's does not
+        x, op, root = np.ones(16384 if first else 16386, np.float32), "sum", None
+    elif case == "dtype":
+        x, op, root = np.ones(count, np.int32 if first else np.float32), "sum", None
+    elif case == "root":
+        x, op, root = np.ones(count, np.float32), "sum", 0 if first else 1
+    else:
+        x, op, root = np.ones(count, np.float32), "min" if first else "max", None
+    try:
+        if root is None:
+            comm.all_reduce(x, op, algorithm="shm")
+        else:
+            comm.reduce(x, root, op, algorithm="shm")
+    except tcoll.MismatchError as exc:
+        said = str(exc)
+    else:
+        said = "no error"
+    y = np.full(5, comm.rank + 1.0)
+    comm.all_reduce(y, algorithm="shm")
+    return said, bool(np.array_equal(y, np.full(5, comm.size * (comm.size + 1) / 2)))
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["size across the one-step limit", "dtype", "root", "op"])
+def test_ranks_that_disagree_in_the_one_step_all_raise(case: str) -> None:
+    """Ranks that disagree in a call the one step now serves (or on which side of its limit a call falls)
+    get a MismatchError naming the difference on every rank, and the next call is right."""
+    size = 2 if case == "size across the one-step limit" else 3
+    results = tcoll.spawn(disagreement, size, (case,), timeout=50, transport="shm", shm_slot=SLOT)
+    for rank, (said, after_ok) in enumerate(results):
+        assert "where rank" in said or "disagree" in said, (case, rank, said)
+        assert after_ok, (case, rank)

@@ -31,7 +31,6 @@
 
 #define SETS 2
 #define DESC_WORDS 8
-#define MAX_BELLS 1024
 
 /* What run() returns: how far the step got (see tcoll.shm.arena.Arena.run_small). */
 enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2 };
@@ -49,7 +48,6 @@ typedef struct {
     int rank;
     Py_ssize_t slot_bytes;
     int nbells;
-    uint32_t *bells[MAX_BELLS];
     /* The exports that keep the arena's mapping and the peers' doorbells mapped while this object lives: a
      * call under way in one thread stays safe when another thread closes the communicator. */
     Py_buffer arena;
@@ -101,7 +99,7 @@ static int wait_all(const Kernel *k, uint64_t target, uint64_t budget_ns, int yi
 static void ring_sleepers(const Kernel *k) {
     const int op = (FUTEX_OP_ADD << 28) | (FUTEX_OP_CMP_EQ << 24) | (1 << 12);
     for (int i = 0; i < k->nbells; i++) {
-        uint32_t *bell = k->bells[i];
+        uint32_t *bell = (uint32_t *)k->bell_views[i].buf;
         if (__atomic_load_n(&bell[1], __ATOMIC_ACQUIRE))
             syscall(SYS_futex, bell, FUTEX_WAKE_OP, INT_MAX, (void *)(intptr_t)INT_MAX, bell, op);
     }
@@ -372,7 +370,7 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
     PyObject *seq = PySequence_Fast(bells, "bells must be a sequence of doorbell buffers");
     if (seq == NULL) return -1;
     Py_ssize_t nbells = PySequence_Fast_GET_SIZE(seq);
-    if (nbells > MAX_BELLS || size < 1 || rank < 0 || rank >= size || slot_bytes < 1 || desc_at < 8 * size ||
+    if (nbells > INT_MAX || size < 1 || rank < 0 || rank >= size || slot_bytes < 1 || desc_at < 8 * size ||
         data_at < desc_at) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "arena kernel: bad layout, size, rank, slot or number of doorbells");
@@ -402,7 +400,6 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
             PyErr_SetString(PyExc_ValueError, "arena kernel: a doorbell is 8 bytes");
             return -1;
         }
-        self->bells[i] = (uint32_t *)view->buf;
     }
     Py_DECREF(seq);
     uint8_t *base = (uint8_t *)self->arena.buf;

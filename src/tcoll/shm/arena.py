@@ -48,8 +48,8 @@ except ImportError:  # pragma: no cover - built without it: the same steps run i
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment",
-           "encode_address", "decode_address"]
+__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES",
+           "agreed_slot", "create_segment", "open_segment", "encode_address", "decode_address"]
 
 SETS = 2  # slot sets: step k uses set k % SETS
 _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress per so many polls
@@ -154,7 +154,7 @@ class Arena:
         segment, self._segment = self._segment, None
         if segment is None:
             return
-        self.kernel = None  # it holds addresses in the mapping closed below
+        self.kernel = None  # its exports of the mapping go with it (one still running keeps them)
         self._counters.release()
         self._desc.release()
         self._slots = []

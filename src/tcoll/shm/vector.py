@@ -42,6 +42,7 @@ def one_step(nbytes: int, size: int, slot_bytes: int) -> bool:
     """Whether an all_reduce/reduce of `nbytes` on `size` ranks runs in one step (the same on every rank)."""
     return nbytes <= slot_bytes and (nbytes <= SMALL_BYTES or size == 2)
 
+
 def _raw(arr: np.ndarray) -> np.ndarray:
     return arr.view(np.uint8) if arr.ndim == 1 else arr.reshape(-1).view(np.uint8)
 

@@ -51,7 +51,8 @@ from .plans import AllReducePlans
 from .sparse import all_reduce_sparse
 from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, fill, finisher, np_bytes, np_view,
                       pieces, reduce_source, reduce_target, row_bytes)
-from .work import Finish, Held, TcollWork, async_requested, chain, completed, drop_held, each, held_calls, result_of, run_held, seconds, timed_out
+from .work import (Finish, Held, TcollWork, async_requested, chain, completed, drop_held, each, held_calls, result_of,
+                   run_held, seconds, timed_out)
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
