@@ -99,9 +99,9 @@ class Settings:
             chain); small values exercise the multi-chunk paths (TCOLL_COLL_CHUNK).
         shm_slot: bytes each rank stages per step of the shared-memory direct collectives;
             larger messages are pipelined through its two slots (TCOLL_SHM_SLOT).
-        shm_kernel: "auto": the arena's steps of reductions run in the package's C kernel where it was
-            built; "off": always in Python (the same results; for comparing, or suspecting it)
-            (TCOLL_SHM_KERNEL).
+        shm_kernel: "auto": the arena's steps of reductions, and blocking sends and receives between
+            ranks of one host, run in the package's C kernels where they were built; "off": always
+            in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
     """

@@ -291,14 +291,18 @@ def test_ranks_that_disagree_on_the_op_all_raise() -> None:
         assert after_ok, rank
 
 
-def test_the_kernel_is_built_where_a_compiler_is() -> None:
-    """An install on a machine with a C compiler has the kernel (its build is optional, so a failure is silent)."""
+def test_the_kernels_are_built_where_a_compiler_is() -> None:
+    """An install on a machine with a C compiler has both kernels (their build is optional, so a failure is
+    silent): the arena's and the rings' (tcoll.transport._ring_kernel)."""
     import shutil
     import sysconfig
+
+    from tcoll.transport import shm
 
     if not (shutil.which("cc") or shutil.which("gcc")) or not sysconfig.get_paths().get("include"):
         pytest.skip("no C compiler or no Python headers here")
     assert arena_module.kernel_module is not None
+    assert shm.ring_kernel is not None
 
 
 @needs_kernel

@@ -18,6 +18,11 @@ none blocks):
 - `check_alive()` raises `PeerLostError` if the peer is gone; so may
   `progress()`. The engine then fails every operation pending on that peer.
 - `pending_works()`, `peer_doorbell()` and `close()`.
+- Optionally, a lean path for blocking calls (`lean` is True): `send_now`
+  writes a whole user message at once and `recv_now` takes the next one if
+  it is the one asked for; both do nothing and return False otherwise, and
+  the engine then goes the ordinary way. They bypass matching, so the engine
+  calls them only when no other receive or probe could claim the message.
 
 What a channel may call on the engine: `match`, `recv_done`, `send_done`,
 `expects_from`, and read `rank`, `settings` and `doorbell`.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import abc
 import struct
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import TransportError
 
@@ -90,6 +95,23 @@ class Channel(abc.ABC):
         Raises:
             PeerLostError: the peer is gone.
         """
+
+    @property
+    def lean(self) -> bool:
+        """Whether this channel has the lean blocking path (send_now, recv_now)."""
+        return False
+
+    def send_now(self, ctx: int, tag: int, buf: Any) -> bool:
+        """Send a user message (ctx, tag) whole at once, if nothing is queued before it; False: nothing done."""
+        return False
+
+    def recv_now(self, ctx: int, tag: int, buf: Any, spin_ns: int, yields: bool) -> bool:
+        """Take the channel's next message into `buf` if it is (ctx, tag), fits, and comes within `spin_ns`.
+
+        Returns:
+            True if taken (complete); False if nothing was taken (none came, or another message is next).
+        """
+        return False
 
     def pending_works(self) -> list[Work]:
         """The sends queued on this channel and the receive it is filling, if any."""

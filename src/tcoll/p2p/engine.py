@@ -57,6 +57,7 @@ class Engine:
         self.doorbell = doorbell
         self.spin = SpinPolicy(settings.spin_us, oversubscribed=False, yield_after_us=settings.spin_yield_us)
         self.channels: list[Channel | None] = [None] * size
+        self.lean: list[Channel | None] = [None] * size  # the channels with a lean blocking path, by peer
         self._active: list[Channel] = []
         self._lock = threading.RLock()
         self.matcher = Matcher(self)
@@ -75,6 +76,13 @@ class Engine:
         self.poll_only = False  # a channel has nothing that could wake a sleeper (MPI): waits poll, never sleep
         self.host_shares_pids = True  # every rank of this host sees the others' pids (set when connecting)
         self.timeline = timeline.from_env(rank)  # TCOLL_TRACE: None when off, the only cost then
+        self._lean_spin()
+
+    def _lean_spin(self) -> None:
+        """How long a lean receive polls before the ordinary wait takes over, and whether its polls yield."""
+        spin = self.spin
+        self.lean_spin_ns = int((spin.max_s if spin.oversubscribed else spin.fast_s) * 1e9)
+        self.lean_yields = spin.oversubscribed
 
     # -- setup ---------------------------------------------------------------
 
@@ -83,6 +91,8 @@ class Engine:
         with self._lock:
             self.channels[channel.peer] = channel
             self._active.append(channel)
+            if channel.lean and self.timeline is None:  # a traced run sees every message go through isend
+                self.lean[channel.peer] = channel
 
     def set_ranks_on_host(self, count: int, index: int = 0, processes: bool = False) -> None:
         """Tune waiting for `count` ranks sharing this host: more ranks than cores poll less and yield.
@@ -95,6 +105,7 @@ class Engine:
         oversubscribed = count > cpu_count()
         self.spin = SpinPolicy(self.settings.spin_us, oversubscribed=oversubscribed,
                                yield_after_us=self.settings.spin_yield_us)
+        self._lean_spin()
         if processes and not oversubscribed and self.settings.bind == "auto":
             bind_share(index, count)
 
@@ -155,6 +166,45 @@ class Engine:
                 self._check_peer(peer)  # what a lost peer sent before it went is still delivered
                 self.matcher.queue(work)
         return work
+
+    def send_now(self, buf: Any, peer: int, ctx: int, tag: int) -> bool:
+        """Send a user message at once through the lean path of `peer`'s channel, if the common case holds.
+
+        The common case: the channel has one (shared memory, with its C kernel), no other thread is in
+        the engine, nothing is queued before the message and it fits in the ring now.
+
+        Returns:
+            True if sent (`buf` may be reused); False if nothing was done (then isend it).
+        """
+        channel = self.lean[peer]
+        if channel is None or not self._lock.acquire(False):  # another thread in the engine: it waits its turn
+            return False
+        try:
+            return channel.send_now(ctx, tag, buf)
+        finally:
+            self._lock.release()
+
+    def recv_now(self, buf: Any, peer: int, ctx: int, tag: int) -> bool:
+        """Receive a user message at once through the lean path of `peer`'s channel, if the common case holds.
+
+        The common case: the channel has one, no other thread is in the engine, no posted receive,
+        wildcard, probe or early message could claim the message first, and the channel's next
+        message is (ctx, tag), fits `buf`, and comes within the lean spin.
+
+        Returns:
+            True if received into `buf`; False if nothing was taken (then irecv it).
+        """
+        channel = self.lean[peer]
+        if channel is None or not self._lock.acquire(False):
+            return False
+        try:
+            matcher = self.matcher
+            if (matcher.posted_from[peer] or matcher.wild_any or matcher.probing
+                    or (peer, ctx, tag) in matcher.unexpected):
+                return False
+            return channel.recv_now(ctx, tag, buf, self.lean_spin_ns, self.lean_yields)
+        finally:
+            self._lock.release()
 
     def _traced(self, work: Work) -> None:
         """Note a completed receive on the timeline (a failed one moved no message)."""
@@ -403,6 +453,7 @@ class Engine:
                 # Between hosts a lost link usually means a lost host: say which, and who else was on it.
                 error = PeerLostError(peer, f"{error.detail} ({self.hosts.describe([peer])})")
             self._lost[peer] = error
+            self.lean[peer] = None
             channel = self.channels[peer]
             if channel is not None:
                 if channel in self._active:
@@ -436,6 +487,7 @@ class Engine:
             self._active.clear()
             self._fail_all(self.matcher.take(None), error)
             self.channels = [None] * self.size
+            self.lean = [None] * self.size
             self.doorbell.wake()  # threads blocked in wait() see the failures now
         for closer in self.closers:
             closer()

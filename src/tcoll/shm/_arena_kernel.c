@@ -19,15 +19,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <limits.h>
-#include <linux/futex.h>
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
+
+#include "../_native/polling.h"
 
 #define SETS 2
 #define DESC_WORDS 8
@@ -55,20 +52,6 @@ typedef struct {
     int held;  /* how many of bell_views are held; -1: not even the arena */
 } Kernel;
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static inline uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static inline uint64_t min_counter(const Kernel *k) {
     uint64_t low = UINT64_MAX;
     for (int q = 0; q < k->size; q++) {
@@ -95,14 +78,9 @@ static int wait_all(const Kernel *k, uint64_t target, uint64_t budget_ns, int yi
     return ok;
 }
 
-/* Wake the peers that sleep on their doorbells: FUTEX_WAKE_OP bumps the sequence and wakes, as Doorbell.wake. */
+/* Wake the peers that sleep on their doorbells. */
 static void ring_sleepers(const Kernel *k) {
-    const int op = (FUTEX_OP_ADD << 28) | (FUTEX_OP_CMP_EQ << 24) | (1 << 12);
-    for (int i = 0; i < k->nbells; i++) {
-        uint32_t *bell = (uint32_t *)k->bell_views[i].buf;
-        if (__atomic_load_n(&bell[1], __ATOMIC_ACQUIRE))
-            syscall(SYS_futex, bell, FUTEX_WAKE_OP, INT_MAX, (void *)(intptr_t)INT_MAX, bell, op);
-    }
+    for (int i = 0; i < k->nbells; i++) ring_doorbell((uint32_t *)k->bell_views[i].buf);
 }
 
 #define COMBINE_LOOP(T, EXPR)                                                   \

@@ -37,7 +37,12 @@ from ..p2p.work import RecvWork, SendWork, Work
 from ..segments import SHM_DIR, Segment, new_segment, segment_name
 from .base import Card, Transport
 
-__all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR"]
+try:  # the lean blocking send and receive in C (_ring_kernel.c), built with the package where a compiler is
+    from . import _ring_kernel as ring_kernel
+except ImportError:  # pragma: no cover - installed without a compiler: blocking calls go through the engine
+    ring_kernel = None  # type: ignore[assignment]
+
+__all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR", "ring_kernel"]
 
 _CONTROL = 4096  # first page: the owner's doorbell, then its "closed" word
 _CLOSED_AT = 64  # byte offset of the uint32 set when the owner closes its communicator
@@ -199,6 +204,38 @@ class ShmChannel(Channel):
         self._start_time = peer_card.get("start_time")
         self._same_pidns = peer_card.get("pidns") == _pid_namespace()
         self._closed = False
+        self._rings = None
+        if ring_kernel is not None and engine.settings.shm_kernel != "off":
+            self._rings = ring_kernel.Rings(inbound.ctl, inbound.mv, outbound.ctl, outbound.mv, peer_bell.memory)
+
+    @property
+    def lean(self) -> bool:
+        """Whether the ring kernel serves this channel's blocking calls (built, and TCOLL_SHM_KERNEL not off)."""
+        return self._rings is not None
+
+    # -- the lean blocking path (engine lock held) ---------------------------------
+
+    def send_now(self, ctx: int, tag: int, buf: Any) -> bool:
+        """Write a user message whole into the peer's ring, if nothing is queued before it and it fits now."""
+        rings = self._rings
+        if rings is None or self._sends:
+            return False
+        head = rings.send(self._head, ctx, tag, buf)
+        if head < 0:
+            return False
+        self._head = head
+        return True
+
+    def recv_now(self, ctx: int, tag: int, buf: Any, spin_ns: int, yields: bool) -> bool:
+        """Take the next message of our ring into `buf` if it is (ctx, tag), fits, and comes within the spin."""
+        rings = self._rings
+        if rings is None or self._recv is not None or self._header is not None:
+            return False
+        tail = rings.recv(self._tail, ctx, tag, buf, spin_ns, yields)
+        if tail < 0:
+            return False
+        self._tail = tail
+        return True
 
     # -- outbound --------------------------------------------------------------
 
@@ -329,6 +366,7 @@ class ShmChannel(Channel):
             return
         self._closed = True
         self._sends.clear()
+        self._rings = None  # its exports of the rings go with it (the engine's lock keeps calls out meanwhile)
         self._in.release()
         self._out.release()
         self._peer_bell.wake()  # a peer blocked on us looks again, and finds us closed

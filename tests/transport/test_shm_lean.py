@@ -1,0 +1,335 @@
+"""The lean blocking send and receive between ranks of one host (tcoll.transport._ring_kernel).
+
+A blocking send writes its message straight into the peer's ring and a
+blocking receive takes the next message of its ring when nothing else could
+claim it; every other case goes through the engine. The kernel is checked
+on its own, byte for byte against the Python ring code at every wrap
+position (the two must write and read the same stream), and then in rank
+processes for what the engine guarantees: per-tag order mixed with
+non-blocking and large messages, earlier-posted receives and wildcards
+first, early messages kept, size errors, collectives in between, full
+rings; with the kernel and without it (TCOLL_SHM_KERNEL=off).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+import tcoll
+from tcoll import ANY_SOURCE, ANY_TAG
+from tcoll.errors import MessageSizeError
+from tcoll.p2p.channel import HEADER, pack_header, unpack_header
+from tcoll.transport import shm
+
+kernel = shm.ring_kernel
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the ring kernel was not built (no compiler)")
+
+SIZE = 4096
+CTX, TAG = 4, 9
+
+
+class Pair:
+    """Two rings on anonymous memory and a doorbell: `rings` writes `out` and reads `inbound`."""
+
+    def __init__(self) -> None:
+        self.map = mmap.mmap(-1, 2 * (shm._RING_CTL + SIZE) + mmap.PAGESIZE)
+        self.inbound = shm._Ring(self.map, 0, SIZE)
+        self.out = shm._Ring(self.map, shm._RING_CTL + SIZE, SIZE)
+        self.bell = memoryview(self.map)[-mmap.PAGESIZE:-mmap.PAGESIZE + 8].cast("I")
+        self.rings = kernel.Rings(self.inbound.ctl, self.inbound.mv, self.out.ctl, self.out.mv, self.bell)
+
+    def at(self, ring: shm._Ring, position: int) -> None:
+        """Make `ring` empty at stream position `position`."""
+        ring.ctl[shm._HEAD] = ring.ctl[shm._TAIL] = position
+
+    def put(self, position: int, payload: bytes, ctx: int = CTX, tag: int = TAG, magic_ok: bool = True) -> int:
+        """Write a message into the inbound ring the Python way (as a peer's channel does); its end."""
+        header = pack_header(ctx, tag, len(payload))
+        if not magic_ok:
+            header = b"\x00" * 4 + header[4:]
+        shm._write(self.inbound, position, header)
+        shm._write(self.inbound, position + HEADER.size, payload)
+        self.inbound.ctl[shm._HEAD] = position + HEADER.size + len(payload)
+        return position + HEADER.size + len(payload)
+
+    def close(self) -> None:
+        self.rings = None
+        self.inbound.release()
+        self.out.release()
+        self.bell.release()
+        self.map.close()
+
+
+@pytest.fixture(name="pair")
+def pair_fixture() -> Pair:
+    pair = Pair()
+    yield pair
+    pair.close()
+
+
+def _payload(n: int, seed: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) * 131 + seed) % 251).astype(np.uint8)
+
+
+WRAPS = [0, 1, SIZE - HEADER.size, SIZE - HEADER.size + 1, SIZE - 1, SIZE - 20, SIZE - 100, 7 * SIZE + 3]
+
+
+@needs_kernel
+@pytest.mark.parametrize("start", WRAPS)
+@pytest.mark.parametrize("count", [0, 1, 60, 1000, SIZE - HEADER.size])
+def test_what_the_kernel_sends_the_python_reader_reads(pair: Pair, start: int, count: int) -> None:
+    pair.at(pair.out, start)
+    data = _payload(count, start)
+    head = pair.rings.send(start, CTX, TAG, data)
+    assert head == start + HEADER.size + count == pair.out.ctl[shm._HEAD]
+    assert unpack_header(shm._read_header(pair.out, start), peer=1) == (CTX, TAG, count, 0)
+    got = np.zeros(count, dtype=np.uint8)
+    shm._read(pair.out, start + HEADER.size, got, 0, count)
+    np.testing.assert_array_equal(got, data)
+
+
+@needs_kernel
+@pytest.mark.parametrize("start", WRAPS)
+@pytest.mark.parametrize("count", [0, 1, 60, 1000, SIZE - HEADER.size])
+def test_what_python_writes_the_kernel_receives(pair: Pair, start: int, count: int) -> None:
+    pair.at(pair.inbound, start)
+    data = _payload(count, start + 1)
+    end = pair.put(start, data.tobytes())
+    out = np.full(count + 8, 7, dtype=np.uint8)  # a longer buffer: the message may be shorter
+    assert pair.rings.recv(start, CTX, TAG, out, 0, False) == end == pair.inbound.ctl[shm._TAIL]
+    np.testing.assert_array_equal(out[:count], data)
+    assert (out[count:] == 7).all()  # nothing written past the message
+
+
+@needs_kernel
+def test_a_stream_of_messages_round_trips_through_both_kernels(pair: Pair) -> None:
+    """Many messages of odd sizes through a ring the reader drains: every wrap, in one stream."""
+    reader = kernel.Rings(pair.out.ctl, pair.out.mv, pair.inbound.ctl, pair.inbound.mv, pair.bell)
+    head = tail = 0
+    rng = np.random.default_rng(5)
+    for i in range(400):
+        data = rng.integers(0, 256, int(rng.integers(0, 1500)), dtype=np.uint8)
+        head = pair.rings.send(head, CTX, i, data)
+        out = np.empty(1500, dtype=np.uint8)
+        tail = reader.recv(tail, CTX, i, out, 0, False)
+        assert tail == head
+        np.testing.assert_array_equal(out[:data.size], data)
+
+
+@needs_kernel
+def test_the_receiver_leaves_what_is_not_its_message(pair: Pair) -> None:
+    rings, tail = pair.rings, 100
+    pair.at(pair.inbound, tail)
+    assert rings.recv(tail, CTX, TAG, bytearray(8), 0, False) == kernel.NOTHING_YET
+    assert rings.recv(tail, CTX, TAG, bytearray(8), 200_000, False) == kernel.NOTHING_YET  # spun, none came
+    pair.put(tail, b"12345678", tag=TAG + 1)
+    assert rings.recv(tail, CTX, TAG, bytearray(8), 0, False) == kernel.NOT_MINE  # another tag
+    pair.put(tail, b"12345678", ctx=CTX + 1)
+    assert rings.recv(tail, CTX, TAG, bytearray(8), 0, False) == kernel.NOT_MINE  # another context
+    pair.put(tail, b"123456789")
+    assert rings.recv(tail, CTX, TAG, bytearray(8), 0, False) == kernel.NOT_MINE  # too large for the buffer
+    pair.put(tail, b"12345678", magic_ok=False)
+    assert rings.recv(tail, CTX, TAG, bytearray(8), 0, False) == kernel.NOT_MINE  # not a header: Python says so
+    pair.put(tail, b"12345678")
+    pair.inbound.ctl[shm._HEAD] = tail + HEADER.size + 4  # half the payload so far
+    assert rings.recv(tail, CTX, TAG, bytearray(8), 100_000, False) == kernel.NOT_MINE
+    assert rings.recv(tail, CTX, TAG, bytes(8), 0, False) == kernel.NOT_MINE  # read-only buffer
+    assert rings.recv(tail, CTX, TAG, np.zeros(2, dtype=object), 0, False) == kernel.NOT_MINE
+    assert pair.inbound.ctl[shm._TAIL] == tail  # nothing was taken
+    pair.inbound.ctl[shm._HEAD] = tail + HEADER.size + 8
+    out = bytearray(8)
+    assert rings.recv(tail, CTX, TAG, out, 0, False) == tail + HEADER.size + 8 and out == b"12345678"
+
+
+@needs_kernel
+def test_the_sender_writes_nothing_without_room_or_for_what_it_will_not_take(pair: Pair) -> None:
+    rings = pair.rings
+    pair.at(pair.out, 0)
+    pair.out.ctl[shm._HEAD] = SIZE - 100  # the reader is 100 bytes of room behind
+    assert rings.send(SIZE - 100, CTX, TAG, bytes(61)) == kernel.NO_ROOM  # 40 + 61 > 100
+    assert rings.send(SIZE - 100, CTX, TAG, np.zeros(2, dtype=object)) == kernel.NO_ROOM  # pointers are no data
+    assert rings.send(SIZE - 100, CTX, TAG, np.zeros((4, 4))[:, 0]) == kernel.NO_ROOM  # not contiguous
+    assert pair.out.ctl[shm._HEAD] == SIZE - 100
+    assert rings.send(SIZE - 100, CTX, TAG, bytes(60)) == SIZE  # exactly full
+
+
+@needs_kernel
+def test_a_sleeping_peer_is_woken_and_an_awake_one_costs_nothing(pair: Pair) -> None:
+    pair.at(pair.out, 0)
+    before = pair.bell[0]
+    head = pair.rings.send(0, CTX, TAG, b"x")
+    assert pair.bell[0] == before  # nobody sleeps: no system call, the sequence stays
+    pair.bell[1] = 1  # the peer announced a sleeper
+    head = pair.rings.send(head, CTX, TAG, b"y")
+    assert pair.bell[0] == before + 1  # FUTEX_WAKE_OP bumped the sequence
+    pair.put(0, b"z")
+    pair.rings.recv(0, CTX, TAG, bytearray(1), 0, False)
+    assert pair.bell[0] == before + 2  # a receive that frees room rings the writer too
+
+
+# -- in rank processes ------------------------------------------------------------------
+
+KERNELS = ["auto", "off"]
+
+
+def _spawn(fn, size: int, shm_kernel: str, *args) -> list:
+    return tcoll.spawn(fn, size, args, transport="shm", shm_kernel=shm_kernel, shm_ring=SIZE, shm_chunk=1024,
+                       timeout=60)
+
+
+def mixed_order(comm: tcoll.Communicator, count: int) -> bool:
+    """Blocking, non-blocking, ring-filling and larger-than-ring messages on one tag arrive in order."""
+    sizes = [(i * 37) % 300 if i % 5 else 3 * SIZE + i for i in range(count)]
+    if comm.rank == 0:
+        pending = []
+        for i, n in enumerate(sizes):
+            data = np.full(n, i % 251, dtype=np.uint8)
+            if i % 3 == 1:
+                pending.append(comm.isend(data, 1, TAG))
+            else:
+                comm.send(data, 1, TAG)
+        for work in pending:
+            work.wait()
+    else:
+        for i, n in enumerate(sizes):
+            out = np.full(3 * SIZE + count, 255, dtype=np.uint8)
+            if i % 4 == 3:
+                work = comm.irecv(out, 0, TAG)
+                work.wait()
+                assert work.nbytes == n
+            else:
+                comm.recv(out, 0, TAG)
+            assert (out[:n] == i % 251).all() and (out[n:] == 255).all(), i
+    return True
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("shm_kernel", KERNELS)
+def test_messages_of_every_kind_keep_their_order(shm_kernel: str) -> None:
+    assert _spawn(mixed_order, 2, shm_kernel, 120) == [True, True]
+
+
+def claimed_first(comm: tcoll.Communicator) -> bool:
+    """An earlier-posted receive, a wildcard and a kept early message each take their message first."""
+    one = np.zeros(1, dtype=np.int64)
+    if comm.rank == 0:
+        for value, tag in [(1, 5), (2, 5), (3, 6), (4, 6), (5, 7), (6, 8)]:
+            comm.send(np.array([value]), 1, tag)
+        comm.recv(one, 1, 0)  # rank 1 has posted its receive for tag 9
+        comm.send(np.array([7]), 1, 9)
+        comm.send(np.array([8]), 1, 9)
+        return True
+    early = comm.irecv(np.zeros(1, dtype=np.int64), 0, 5)  # posted before the blocking receive of tag 5
+    wild = comm.irecv(np.zeros(1, dtype=np.int64), ANY_SOURCE, 6)
+    got = [int(comm.recv(one, 0, 5)[0]), int(comm.recv(one, 0, 6)[0])]
+    got += [int(comm.recv(one, 0, 8)[0]), int(comm.recv(one, 0, 7)[0])]  # tag 7 came first: kept aside
+    probe = comm.irecv(np.zeros(1, dtype=np.int64), ANY_SOURCE, ANY_TAG)
+    comm.send(one, 0, 0)
+    got.append(int(comm.recv(one, 0, 9)[0]))
+    return [int(early.wait()[0]), int(wild.wait()[0]), int(probe.wait()[0])] + got == [1, 3, 7, 2, 4, 6, 5, 8]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm_kernel", KERNELS)
+def test_earlier_receives_and_wildcards_come_first(shm_kernel: str) -> None:
+    assert _spawn(claimed_first, 2, shm_kernel) == [True, True]
+
+
+def sizes_and_collectives(comm: tcoll.Communicator) -> bool:
+    """Too-long messages fail the receive (and only it); collectives' messages in between are theirs."""
+    if comm.rank == 0:
+        comm.send(np.arange(9, dtype=np.uint8), 1, 1)
+        comm.send(np.arange(3, dtype=np.uint8), 1, 1)
+        comm.send(np.arange(4, dtype=np.uint8), 1, 2)  # waits in the ring while the collective runs
+    out = np.zeros(8, dtype=np.uint8)
+    if comm.rank == 1:
+        with pytest.raises(MessageSizeError, match="9 bytes"):
+            comm.recv(out, 0, 1)
+        assert comm.recv(out, 0, 1) is out and list(out[:3]) == [0, 1, 2]
+    x = np.full(1000, comm.rank + 1.0)
+    comm.all_reduce(x, algorithm="ring")
+    assert (x == 3.0).all()
+    if comm.rank == 1:
+        assert list(comm.recv(out, 0, 2)[:4]) == [0, 1, 2, 3]
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm_kernel", KERNELS)
+def test_size_errors_and_collectives_between_messages(shm_kernel: str) -> None:
+    assert _spawn(sizes_and_collectives, 2, shm_kernel) == [True, True]
+
+
+def many_to_one(comm: tcoll.Communicator, count: int) -> bool:
+    """Every rank streams to rank 0, which takes them source by source: rings fill and wrap."""
+    if comm.rank:
+        for i in range(count):
+            comm.send(np.full(1 + (i * 53 + comm.rank) % 900, i, dtype=np.int32), 0, comm.rank)
+        return True
+    out = np.empty(900, dtype=np.int32)
+    for i in range(count):
+        for src in range(1, comm.size):
+            comm.recv(out, src, src)
+            n = 1 + (i * 53 + src) % 900
+            assert (out[:n] == i).all(), (src, i)
+    return True
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("size", [3, 5])
+def test_streams_from_several_peers_fill_and_wrap_their_rings(size: int) -> None:
+    assert _spawn(many_to_one, size, "auto", 150) == [True] * size
+
+
+def lean_in_use(comm: tcoll.Communicator) -> bool:
+    """Whether the engine found a lean path to the peer (the kernel built, and not turned off)."""
+    return comm._engine.lean[1 - comm.rank] is not None
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_the_lean_path_is_there_unless_turned_off() -> None:
+    assert _spawn(lean_in_use, 2, "auto") == [True, True]
+    assert _spawn(lean_in_use, 2, "off") == [False, False]
+
+
+def threads_on_one_engine(comm: tcoll.Communicator, count: int) -> bool:
+    """Two threads of each rank ping-pong on their own tags at once: lean calls and engine waits interleave."""
+    import threading
+
+    failures: list[BaseException] = []
+
+    def pingpong(tag: int) -> None:
+        try:
+            buf = np.zeros(1 + tag * 40, dtype=np.int64)
+            for i in range(count):
+                if comm.rank == 0:
+                    buf[:] = i * tag
+                    comm.send(buf, 1, tag)
+                    comm.recv(buf, 1, tag)
+                    assert (buf == i * tag + 1).all(), (tag, i)
+                else:
+                    comm.recv(buf, 0, tag)
+                    assert (buf == i * tag).all(), (tag, i)
+                    buf += 1
+                    comm.send(buf, 0, tag)
+        except BaseException as exc:  # reported below, from the rank's own thread
+            failures.append(exc)
+
+    workers = [threading.Thread(target=pingpong, args=(tag,)) for tag in (1, 2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if failures:
+        raise failures[0]
+    return True
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("shm_kernel", KERNELS)
+def test_threads_of_a_rank_share_the_lean_path_and_the_engine(shm_kernel: str) -> None:
+    assert _spawn(threads_on_one_engine, 2, shm_kernel, 400) == [True, True]
