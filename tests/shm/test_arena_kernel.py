@@ -291,6 +291,19 @@ def test_ranks_that_disagree_on_the_op_all_raise() -> None:
         assert after_ok, rank
 
 
+@needs_kernel
+@pytest.mark.parametrize("nbytes", [0, 1, 65535, 65536, 65537, 3 * 65536 + 7, 1 << 20])
+def test_the_kernel_copies_any_length_in_pieces(nbytes: int) -> None:
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes + 3, dtype=np.uint8)[3:]  # not aligned
+    dst = np.zeros(nbytes + 2, dtype=np.uint8)
+    arena_module.kernel_module.copy(dst[1:-1], src)
+    assert np.array_equal(dst[1:-1], src) and dst[0] == 0 and dst[-1] == 0
+    with pytest.raises(ValueError, match="one length"):
+        arena_module.kernel_module.copy(dst, src)
+    with pytest.raises(BufferError):
+        arena_module.kernel_module.copy(bytes(nbytes), src)  # not writable
+
+
 def test_the_kernels_are_built_where_a_compiler_is() -> None:
     """An install on a machine with a C compiler has both kernels (their build is optional, so a failure is
     silent): the arena's and the rings' (tcoll.transport._ring_kernel)."""

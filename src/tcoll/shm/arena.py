@@ -63,6 +63,7 @@ _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a ful
 KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
     (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
      np.float16, ml_dtypes.bfloat16))}
+_COPY_PIECE = 64 << 10  # the kernel copies in pieces of this size; anything smaller NumPy copies as well
 KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later
 
 
@@ -78,6 +79,15 @@ def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -
                 combine(dtype, code, out, out, part)
             return
     op.combine_all(parts, out)
+
+
+def copy_bytes(arena: Any, dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src for byte views of one length: in the kernel's pieces where the arena has it (glibc's
+    single copy of a large block is slower on this machine, see copy_pieces in _arena_kernel.c)."""
+    if arena.kernel is not None and dst.nbytes > _COPY_PIECE:
+        kernel_module.copy(dst, src)
+    else:
+        dst[...] = src
 
 
 class Arena:

@@ -16,7 +16,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import displacements
 from ..ops import Op
-from .arena import Arena, combine_all
+from .arena import Arena, combine_all, copy_bytes
 
 __all__: list[str] = []
 
@@ -97,7 +97,7 @@ def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndar
         lo = index * piece
         step = arena.first_step() if index == 0 else arena.claim()
         mine = own[lo:lo + piece]
-        arena.slot(me, step)[:mine.nbytes] = mine
+        copy_bytes(arena, arena.slot(me, step)[:mine.nbytes], mine)
         arena.publish(step)
         if index == 0:
             arena.agree(step)
@@ -106,7 +106,7 @@ def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndar
         for q in range(size):
             hi = min(nbytes[q], lo + piece)
             if hi > lo and (q != me or source is not None):
-                raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo]
+                copy_bytes(arena, raw[disp[q] + lo:disp[q] + hi], arena.slot(q, step)[:hi - lo])
 
 
 @algorithm("gather", "shm", cost=_gather_cost, direct=True)
@@ -130,7 +130,7 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
             lo = index * piece
             step = arena.first_step(ref) if index == 0 else arena.claim()
             if ref is None:
-                arena.slot(me, step)[:max(0, min(nbytes[me], lo + piece) - lo)] = own[lo:lo + piece]
+                copy_bytes(arena, arena.slot(me, step)[:max(0, min(nbytes[me], lo + piece) - lo)], own[lo:lo + piece])
             arena.publish(step)
             if index == 0:
                 arena.agree(step)
@@ -162,11 +162,11 @@ def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, s
             src = sources[q]
             if src is not None:
                 if index == 0:
-                    raw[disp[q]:disp[q] + nbytes[q]] = src
+                    copy_bytes(arena, raw[disp[q]:disp[q] + nbytes[q]], src)
                 continue
             hi = min(nbytes[q], lo + piece)
             if hi > lo:
-                raw[disp[q] + lo:disp[q] + hi] = arena.slot(q, step)[:hi - lo]
+                copy_bytes(arena, raw[disp[q] + lo:disp[q] + hi], arena.slot(q, step)[:hi - lo])
 
 
 @algorithm("scatter", "shm", cost=_gather_cost, direct=True)
@@ -214,7 +214,7 @@ def _scatter_receive(arena: Arena, raw: np.ndarray, nbytes: list[int], disp: lis
             arena.agree(step)
             source = arena.peer_buffer(step, root)
             if source is not None:
-                raw[:] = source[disp[me]:disp[me] + nbytes[me]]
+                copy_bytes(arena, raw, source[disp[me]:disp[me] + nbytes[me]])
                 return
         else:
             step = arena.skip()

@@ -15,7 +15,7 @@ import numpy as np
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..ops import Op
-from .arena import Arena, combine_all
+from .arena import Arena, combine_all, copy_bytes
 
 __all__: list[str] = []
 
@@ -63,7 +63,7 @@ def _prefix_direct(arena: Arena, buf: np.ndarray, op: Op, upto: int) -> None:
     for lo in range(0, total, piece):
         hi = min(total, lo + piece)
         step = arena.first_step() if lo == 0 else arena.claim()
-        arena.slot(arena.rank, step)[:hi - lo] = raw[lo:hi]
+        copy_bytes(arena, arena.slot(arena.rank, step)[:hi - lo], raw[lo:hi])
         arena.publish(step)
         if lo == 0:
             arena.agree(step)

@@ -26,7 +26,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
-from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, kernel_module
+from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_module
 
 DONE, PUBLISHED = (kernel_module.DONE, kernel_module.PUBLISHED) if kernel_module is not None else (2, 1)
 
@@ -135,7 +135,7 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         hi = min(total, lo + piece)
         step = arena.first_step(ref) if lo == 0 else arena.claim()
         if ref is None:
-            arena.slot(me, step)[:hi - lo] = raw[lo:hi]
+            copy_bytes(arena, arena.slot(me, step)[:hi - lo], raw[lo:hi])
         arena.publish(step)
         if lo == 0:
             arena.agree(step)
@@ -153,7 +153,7 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         if wants_result or (ref is not None and hi == total):  # a lender waits until nobody reads it
             arena.wait_all(result)
         if wants_result:
-            raw[lo:hi] = arena.slot(0, result)[:hi - lo]
+            copy_bytes(arena, raw[lo:hi], arena.slot(0, result)[:hi - lo])
 
 
 # -- broadcast -----------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
     ref = arena.lend(raw, total) if me == root else None
     step = arena.first_step(ref)
     if me == root and ref is None:
-        arena.slot(me, step)[:min(total, arena.slot_bytes)] = raw[:arena.slot_bytes]
+        copy_bytes(arena, arena.slot(me, step)[:min(total, arena.slot_bytes)], raw[:arena.slot_bytes])
     arena.publish(step)
     arena.agree(step)
     if me == root:
@@ -192,7 +192,7 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
         if source is None:
             _broadcast_copy_pieces(arena, raw, step, root)
         else:
-            raw[:] = source
+            copy_bytes(arena, raw, source)
     arena.finish_lending(total, ref is not None)
 
 
@@ -201,7 +201,7 @@ def _broadcast_root_pieces(arena: Arena, raw: np.ndarray) -> None:
     piece = arena.slot_bytes
     for lo in range(piece, raw.nbytes, piece):
         step = arena.claim()
-        arena.slot(arena.rank, step)[:min(raw.nbytes, lo + piece) - lo] = raw[lo:lo + piece]
+        copy_bytes(arena, arena.slot(arena.rank, step)[:min(raw.nbytes, lo + piece) - lo], raw[lo:lo + piece])
         arena.publish(step)
 
 
@@ -214,7 +214,7 @@ def _broadcast_copy_pieces(arena: Arena, raw: np.ndarray, step: int, root: int) 
             step = arena.skip()
             arena.publish(step)  # done with the piece before: root may reuse its slot set
             arena.wait_rank(root, step)
-        raw[lo:hi] = arena.slot(root, step)[:hi - lo]
+        copy_bytes(arena, raw[lo:hi], arena.slot(root, step)[:hi - lo])
 
 
 # -- barrier ---------------------------------------------------------------------------------
