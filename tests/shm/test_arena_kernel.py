@@ -291,6 +291,26 @@ def test_ranks_that_disagree_on_the_op_all_raise() -> None:
         assert after_ok, rank
 
 
+class WideFakeArena(FakeArena):
+    SLOT = 64 << 10  # medium vectors: the kernel chooses between its two ways of copying in
+
+
+@needs_kernel
+def test_medium_vectors_copy_in_whole_whichever_way_the_kernel_takes() -> None:
+    """The kernel copies a medium vector in one of two ways, the one that cost less lately, and tries the
+    other every 16th call: 48 steps take both; every step's slot and result are right."""
+    fake = WideFakeArena()
+    rng = np.random.default_rng(3)
+    for step in range(48):
+        count = 7000 + step  # 56 KB and a little more each step: no two the same
+        mine, theirs = rng.standard_normal(count), rng.standard_normal(count)
+        fake.peer_publishes(step, STAMP, step, theirs)
+        out = mine.copy()
+        assert fake.run(out, step, STAMP, step) == arena_module.kernel_module.DONE
+        assert np.array_equal(fake.slot(0, step, np.float64, count), mine), step
+        assert np.array_equal(out, mine + theirs), step
+
+
 @needs_kernel
 @pytest.mark.parametrize("nbytes", [0, 1, 65535, 65536, 65537, 3 * 65536 + 7, 1 << 20])
 def test_the_kernel_copies_any_length_in_pieces(nbytes: int) -> None:

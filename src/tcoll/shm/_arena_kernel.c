@@ -50,6 +50,8 @@ typedef struct {
     Py_buffer arena;
     Py_buffer *bell_views;
     int held;  /* how many of bell_views are held; -1: not even the arena */
+    double copy_cost[2];  /* what each way of copying a medium vector in cost lately, ns per KiB (copy_in) */
+    uint32_t copies;
 } Kernel;
 
 static inline uint64_t min_counter(const Kernel *k) {
@@ -391,15 +393,36 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* Copy in pieces of at most COPY_PIECE bytes. glibc copies a large block with one `rep movsb`, which
- * this machine's CPUs run in a mode that costs 1.4x (1 MiB: 25 us against 17.5 us in 64 KiB pieces) and
- * up to 4x while the host is loaded (129 us against 33 us); pieces of 64 KiB to 512 KiB never entered
- * it, and cost the same as one copy below 512 KiB (docs/performance.md). */
+/* Copy in pieces of at most `piece` bytes. glibc copies a block of more than about 2 KiB with one
+ * `rep movsb`, which this machine's CPUs run in a mode that costs 1.4x from 1 MiB (25 us against 17.5 us
+ * in 64 KiB pieces) and up to 4x while the host is loaded (129 us against 33 us); pieces of 64 KiB to
+ * 512 KiB never entered it, and cost the same as one copy below 512 KiB (docs/performance.md). */
 #define COPY_PIECE (64 << 10)
+#define VECTOR_PIECE 2048        /* below glibc's rep movsb threshold: its vector loop */
+#define ADAPT_MAX (256 << 10)    /* above this the vector loop lost in every state measured */
+#define EXPLORE_EVERY 16         /* calls between tries of the way that costs more lately */
 
-static void copy_pieces(uint8_t *to, const uint8_t *from, Py_ssize_t bytes) {
-    for (Py_ssize_t at = 0; at < bytes; at += COPY_PIECE)
-        memcpy(to + at, from + at, (size_t)(bytes - at < COPY_PIECE ? bytes - at : COPY_PIECE));
+static void copy_pieces(uint8_t *to, const uint8_t *from, Py_ssize_t bytes, Py_ssize_t piece) {
+    for (Py_ssize_t at = 0; at < bytes; at += piece)
+        memcpy(to + at, from + at, (size_t)(bytes - at < piece ? bytes - at : piece));
+}
+
+/* Copy this rank's vector into its slot. The slot's lines were last read by the other ranks, so every
+ * store takes a line back from their caches, and which way does that faster changes with the host's
+ * state: on a quiet machine glibc's vector loop copies 64 KiB in 1.5 us and rep movsb in 3.1 us; while
+ * the host is loaded, 9 us against 3 us. So medium vectors go the way that cost less lately, measured
+ * here on every call, and the other way is tried again every EXPLORE_EVERY calls. */
+static void copy_in(Kernel *k, uint8_t *to, const uint8_t *from, Py_ssize_t bytes) {
+    if (bytes <= 2 * VECTOR_PIECE || bytes > ADAPT_MAX) {
+        copy_pieces(to, from, bytes, COPY_PIECE);
+        return;
+    }
+    int way = k->copy_cost[1] < k->copy_cost[0];
+    if (++k->copies % EXPLORE_EVERY == 0) way = !way;
+    uint64_t start = now_ns();
+    copy_pieces(to, from, bytes, way ? VECTOR_PIECE : COPY_PIECE);
+    double cost = (double)(now_ns() - start) * 1024.0 / (double)bytes;
+    k->copy_cost[way] += 0.25 * (cost - k->copy_cost[way]);
 }
 
 static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
@@ -416,7 +439,7 @@ static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObjec
     desc[1] = high;
     desc[2] = sequence;
     desc[3] = 0;  /* no zero-copy buffer: small calls always copy */
-    copy_pieces(slot_of(k, k->rank, step), view->buf, view->len);
+    copy_in(k, slot_of(k, k->rank, step), view->buf, view->len);
     __atomic_store_n(&k->counters[k->rank], step + 1, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
     ring_sleepers(k);
@@ -541,7 +564,7 @@ static PyObject *module_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
     int same = dst.len == src.len;
     if (same && dst.len >= COPY_PIECE) {
         Py_BEGIN_ALLOW_THREADS
-        copy_pieces(dst.buf, src.buf, dst.len);
+        copy_pieces(dst.buf, src.buf, dst.len, COPY_PIECE);
         Py_END_ALLOW_THREADS
     } else if (same) {
         memcpy(dst.buf, src.buf, (size_t)dst.len);
