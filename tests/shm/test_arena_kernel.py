@@ -31,6 +31,8 @@ needs_kernel = pytest.mark.skipif(arena_module.kernel_module is None, reason="th
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 SLOT = "64K"  # the ranks' arena slot: calls larger than it take the pipelined steps
 PIPELINED = 3 * 65536 + 1000  # bytes: four pieces, the last one short
+SPLIT = 40_000  # bytes: on 2 ranks, a call that fits the slot in three steps (each rank reduces half)
+WIDE_SLOT, WIDE_SPLIT = "256K", 200_000  # the same on more ranks (above the 128 KiB of one step)
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor, "avg": np.add}
 
@@ -43,6 +45,11 @@ class CountingKernel:
 
     def run(self, *args: Any) -> int:
         state = self.kernel.run(*args)
+        self.states[state] += 1
+        return state
+
+    def run_split(self, *args: Any) -> int:
+        state = self.kernel.run_split(*args)
         self.states[state] += 1
         return state
 
@@ -93,8 +100,10 @@ def _same(got: np.ndarray, want: np.ndarray) -> bool:
                 and np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers])))
 
 
-def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list[str], dict[int, int]]:
-    """all_reduce and reduce of every kernel dtype and op against NumPy; (failures, kernel states seen)."""
+def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool,
+                       sizes: tuple[int, ...]) -> tuple[list[str], dict[int, int]]:
+    """all_reduce and reduce of every kernel dtype and op, `sizes` bytes each, against NumPy; (failures,
+    kernel states seen)."""
     counting = _counting(comm) if use_kernel else None
     if not use_kernel:
         comm.barrier(algorithm="shm")
@@ -103,7 +112,7 @@ def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list
     for dtype in arena_module.KERNEL_DTYPES:
         ops = ["sum", "prod", "min", "max"] + (["avg"] if _floating(dtype) else ["band", "bor", "bxor"])
         for op in ops:
-            for count in (1, 37, 16384 // dtype.itemsize, PIPELINED // dtype.itemsize):
+            for count in [max(1, n // dtype.itemsize) for n in sizes]:
                 salt = count + len(op)
                 inputs = [_inputs(q, dtype, count, salt) for q in range(comm.size)]
                 with np.errstate(all="ignore"):
@@ -127,12 +136,25 @@ def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool) -> tuple[list
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_every_dtype_and_op_matches_numpy(size: int, use_kernel: bool) -> None:
     """The kernel (and the Python steps it stands for) give NumPy's results bit for bit, in rank order: in the
-    one step of small calls and in the pieces of the pipelined steps (the C kernel's combine)."""
-    results = tcoll.spawn(every_dtype_and_op, size, (use_kernel,), timeout=160, transport="shm", shm_slot=SLOT,
-                          shm_kernel="auto" if use_kernel else "off")
+    one step of small calls, the three steps of a call that fits a slot (2 ranks), and the pieces of the
+    pipelined steps (the C kernel's combine)."""
+    sizes = (1, 37 * 8, 16384, SPLIT, PIPELINED)
+    results = tcoll.spawn(every_dtype_and_op, size, (use_kernel, sizes), timeout=160, transport="shm",
+                          shm_slot=SLOT, shm_kernel="auto" if use_kernel else "off")
     assert not [f for bad, _ in results for f in bad], results
     if use_kernel:  # the kernel ran the calls (each took one of its three ways)
         assert all(sum(states.values()) > 0 for _, states in results), results
+
+
+@needs_kernel
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size", [3, 4])
+def test_three_steps_on_more_ranks_match_numpy(size: int) -> None:
+    """A call that fits a wider slot, above the one step's 128 KiB: the kernel's three steps on 3 and 4 ranks."""
+    results = tcoll.spawn(every_dtype_and_op, size, (True, (WIDE_SPLIT,)), timeout=160, transport="shm",
+                          shm_slot=WIDE_SLOT)
+    assert not [f for bad, _ in results for f in bad], results
+    assert all(states.get(arena_module.kernel_module.DONE) for _, states in results), results
 
 
 def _busy(seconds: float) -> None:
@@ -220,6 +242,47 @@ def test_kernel_reduces_when_every_rank_described_the_same_call() -> None:
     fake.peer_publishes(1, STAMP, 8, theirs)
     assert fake.run(theirs, 1, STAMP, 8, want=False) == arena_module.kernel_module.DONE
     assert theirs.tolist() == [0, 1, 2, 3]
+
+
+def _split(fake: FakeArena, buf: np.ndarray, stamp: int = STAMP, want: bool = True) -> int:
+    code = arena_module.KERNEL_DTYPES[buf.dtype]
+    return fake.kernel.run_split(buf, code, 0, 0, stamp, 7, 0, False, want)
+
+
+@needs_kernel
+def test_three_steps_hand_over_at_each_point_the_peer_is_late() -> None:
+    """run_split as rank 0 of 2: with the peer silent, its first step is published (PUBLISHED); with the
+    peer's first step there, it reduces its half into its buffer, copies it over its half of its slot and
+    publishes the second step (REDUCED; a rank that does not want the result publishes the third too and
+    leaves its buffer as it was: DONE); with the peer's half there too, the result is whole (DONE)."""
+    kernel = arena_module.kernel_module
+    mine, theirs = np.arange(10, dtype=np.float64), np.arange(10, dtype=np.float64) * 100
+    fake = FakeArena()
+    assert _split(fake, mine.copy()) == kernel.PUBLISHED and fake.counters.tolist() == [1, 0]
+    fake, out = FakeArena(), mine.copy()
+    fake.peer_publishes(0, STAMP, 7, theirs)
+    assert _split(fake, out) == kernel.REDUCED and fake.counters.tolist() == [2, 1]
+    assert np.array_equal(out[:5], (mine + theirs)[:5]) and np.array_equal(out[5:], mine[5:])
+    assert np.array_equal(fake.slot(0, 0, np.float64, 10), np.concatenate([(mine + theirs)[:5], mine[5:]]))
+    fake, out = FakeArena(), mine.copy()
+    fake.peer_publishes(0, STAMP, 7, theirs)
+    assert _split(fake, out, want=False) == kernel.DONE and fake.counters.tolist() == [3, 1]
+    assert np.array_equal(out, mine) and np.array_equal(fake.slot(0, 0, np.float64, 5), (mine + theirs)[:5])
+    fake, out = FakeArena(), mine.copy()
+    fake.peer_publishes(0, STAMP, 7, theirs)
+    fake.slot(1, 0, np.float64, 10)[5:] = (mine + theirs)[5:]  # the peer's half, over its half of its slot
+    fake.counters[1] = 2
+    assert _split(fake, out) == kernel.DONE and np.array_equal(out, mine + theirs)
+    assert fake.counters.tolist() == [3, 2]
+
+
+@needs_kernel
+def test_three_steps_leave_a_disagreement_to_python() -> None:
+    fake = FakeArena()
+    fake.peer_publishes(0, STAMP ^ 1, 7, np.ones(10))
+    out = np.zeros(10)
+    assert _split(fake, out) == arena_module.kernel_module.PUBLISHED
+    assert fake.counters.tolist() == [1, 1] and not out.any()  # nothing reduced, nothing more published
 
 
 @pytest.mark.parametrize("stamp,sequence", [(STAMP ^ (1 << 70), 7), (STAMP ^ 1, 7), (STAMP, 6)],

@@ -38,10 +38,12 @@ def expected(collective: str, size: int, rank: int, count: int, slot: int, root:
         return (0, 0), 0, 0
     if collective in ("all_reduce", "reduce"):
         gets = collective == "all_reduce" or rank == root
-        if n <= slot and (n <= 128 << 10 or p == 2):  # one step: every rank that wants the result reduces all slots
+        if n <= slot and n <= (16 << 10 if p == 2 else 128 << 10):  # one step: each rank reduces all slots
             return (n, 0), (p - 1) * n if gets else 0, 1
         parts = [part_bounds(min(piece, n - lo) // ITEM, p, rank) for lo in range(0, n, piece)]
         mine = ITEM * sum(hi - lo for lo, hi in parts)  # this rank's 1/p of every piece
+        if n <= slot:  # three steps: its part is reduced outside the slots and copied over its own part
+            return (n + mine, n - mine if gets else 0), (p - 1) * mine, 3
         return (n, n if gets else 0), (p - 1) * mine, 2 * _pieces(n, piece)
     if collective == "broadcast":  # root writes each piece once, every other rank copies it out
         return ((n, 0) if rank == root else (0, n)), 0, _pieces(n, slot) + lend
@@ -118,8 +120,8 @@ def test_recorded_bytes_are_the_cost_models(collective: str, name: str, monkeypa
 
 
 def test_all_reduce_on_four_ranks_step_by_step() -> None:
-    """16 floats in 64-byte slots (4 floats): per piece, each rank writes it, reduces its float into rank 0's
-    slot of the next step, and copies the whole result out."""
+    """16 floats in 64-byte slots (4 floats): per piece, each rank writes it, reduces its quarter into its
+    own slot of the next step, and copies every rank's quarter out."""
     schedule = record_direct("all_reduce", "shm", 4, 16, slot_bytes=64)
     assert agreed_slot(64, 4) == 256 and schedule.steps == 1  # slots are at least 64 B per rank: one step
     schedule = record_direct("all_reduce", "shm", 4, 16 * 1024, slot_bytes=256)
@@ -128,7 +130,8 @@ def test_all_reduce_on_four_ranks_step_by_step() -> None:
     assert sorted(step0) == sorted([(r, r, 256, True, False) for r in range(4)]
                                    + [(r, q, 64, False, True) for r in range(4) for q in range(4)])
     step1 = sorted((a.rank, a.owner, a.nbytes, a.write, a.combine) for a in schedule.accesses if a.step == 1)
-    assert step1 == sorted([(r, 0, 64, True, True) for r in range(4)] + [(r, 0, 256, False, False) for r in range(4)])
+    assert step1 == sorted([(r, r, 64, True, True) for r in range(4)]
+                           + [(r, q, 64, False, False) for r in range(4) for q in range(4)])
 
 
 def test_a_read_without_its_wait_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,8 +29,8 @@
 #define SETS 2
 #define DESC_WORDS 8
 
-/* What run() returns: how far the step got (see tcoll.shm.arena.Arena.run_small). */
-enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2 };
+/* What run() and run_split() return: how far the call got (see tcoll.shm.arena.Arena.run_small). */
+enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2, REDUCED = 3 };
 
 /* dtype codes (tcoll.shm.arena.KERNEL_DTYPES) and op codes (KERNEL_OPS) */
 enum { F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, F16, BF16, NDTYPES };
@@ -52,6 +52,8 @@ typedef struct {
     int held;  /* how many of bell_views are held; -1: not even the arena */
     double copy_cost[2];  /* what each way of copying a medium vector in cost lately, ns per KiB (copy_in) */
     uint32_t copies;
+    uint8_t *scratch;  /* see scratch_of */
+    Py_ssize_t scratch_bytes;
 } Kernel;
 
 static inline uint64_t min_counter(const Kernel *k) {
@@ -317,6 +319,9 @@ static uint8_t *slot_of(const Kernel *k, int rank, uint64_t step) {
 }
 
 static void Kernel_release(Kernel *self) {
+    PyMem_Free(self->scratch);
+    self->scratch = NULL;
+    self->scratch_bytes = 0;
     if (self->held < 0) return;
     for (int i = 0; i < self->held; i++) PyBuffer_Release(&self->bell_views[i]);
     PyMem_Free(self->bell_views);
@@ -468,34 +473,44 @@ static int reduce_slots(const Kernel *k, uint64_t step, int dtype, int op, void 
     return 1;
 }
 
-static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The arguments of run() and run_split(); the buffer acquired (release it), or -1 with the error set. */
+static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_buffer *view, int *dtype, int *op,
+                     uint64_t *step, uint64_t *sequence, uint64_t *spin_ns, int *yield, int *want) {
     if (nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want)");
-        return NULL;
+        return -1;
     }
-    int dtype = (int)PyLong_AsLong(args[1]);
-    int op = (int)PyLong_AsLong(args[2]);
-    uint64_t step = PyLong_AsUnsignedLongLong(args[3]);
-    uint64_t sequence = PyLong_AsUnsignedLongLong(args[5]);
-    uint64_t spin_ns = PyLong_AsUnsignedLongLong(args[6]);
-    int yield = PyObject_IsTrue(args[7]);
-    int want = PyObject_IsTrue(args[8]);
-    if (PyErr_Occurred()) return NULL;
-    if (dtype < 0 || dtype >= NDTYPES || op < 0 || op >= NOPS) {
+    *dtype = (int)PyLong_AsLong(args[1]);
+    *op = (int)PyLong_AsLong(args[2]);
+    *step = PyLong_AsUnsignedLongLong(args[3]);
+    *sequence = PyLong_AsUnsignedLongLong(args[5]);
+    *spin_ns = PyLong_AsUnsignedLongLong(args[6]);
+    *yield = PyObject_IsTrue(args[7]);
+    *want = PyObject_IsTrue(args[8]);
+    if (PyErr_Occurred()) return -1;
+    if (*dtype < 0 || *dtype >= NDTYPES || *op < 0 || *op >= NOPS) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: unknown dtype or op code");
-        return NULL;
+        return -1;
     }
     if (self->held < 0) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised");
-        return NULL;
+        return -1;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;  /* PyBUF_SIMPLE: contiguous */
-    if (view.len > self->slot_bytes || view.len % ITEMSIZE[dtype]) {
-        PyBuffer_Release(&view);
+    if (PyObject_GetBuffer(args[0], view, PyBUF_WRITABLE) < 0) return -1;  /* PyBUF_SIMPLE: contiguous */
+    if (view->len > self->slot_bytes || view->len % ITEMSIZE[*dtype]) {
+        PyBuffer_Release(view);
         PyErr_SetString(PyExc_ValueError, "arena kernel: the buffer does not fit a slot or its dtype");
-        return NULL;
+        return -1;
     }
+    return 0;
+}
+
+static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer view;
+    int dtype, op, yield, want;
+    uint64_t step, sequence, spin_ns;
+    if (parse_run(self, args, nargs, &view, &dtype, &op, &step, &sequence, &spin_ns, &yield, &want) < 0)
+        return NULL;
     long state = NOT_STARTED;
     if (step >= 1 && !wait_all(self, step, spin_ns, yield))  /* claim: every rank is done with step - 2 */
         goto out;
@@ -508,6 +523,94 @@ static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t narg
         goto out;
     if (want && !reduce_slots(self, step, dtype, op, view.buf, view.len / ITEMSIZE[dtype]))
         goto out;  /* an op this dtype does not take in C: Python reduces */
+    state = DONE;
+out:
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(state);
+}
+
+/* Elements [lo, hi) of part `index` when `count` are cut into `parts` near-equal parts (algos.topology). */
+static void part_bounds(Py_ssize_t count, int parts, int index, Py_ssize_t *lo, Py_ssize_t *hi) {
+    Py_ssize_t base = count / parts, extra = count % parts;
+    *lo = index * base + (index < extra ? index : extra);
+    *hi = *lo + base + (index < extra);
+}
+
+/* This rank's part of every rank's slot of `step`, reduced in rank order into `into` (the caller's buffer at
+ * that part, or scratch memory), then copied over this rank's own part of its slot, where the others read
+ * it: lines this rank wrote a moment ago, so no store waits for another core's cache. */
+static int reduce_part(const Kernel *k, uint64_t step, int dtype, int op, uint8_t *into, Py_ssize_t n) {
+    Py_ssize_t lo, hi, item = ITEMSIZE[dtype];
+    part_bounds(n, k->size, k->rank, &lo, &hi);
+    if (!combine(dtype, op, into, slot_of(k, 0, step) + lo * item, slot_of(k, 1, step) + lo * item, hi - lo))
+        return 0;
+    for (int q = 2; q < k->size; q++)
+        combine(dtype, op, into, into, slot_of(k, q, step) + lo * item, hi - lo);
+    copy_pieces(slot_of(k, k->rank, step) + lo * item, into, (hi - lo) * item, COPY_PIECE);
+    return 1;
+}
+
+/* The other ranks' reduced parts, from their slots of `step`, into `out`. */
+static void copy_parts_out(const Kernel *k, uint64_t step, Py_ssize_t item, uint8_t *out, Py_ssize_t n) {
+    for (int q = 0; q < k->size; q++) {
+        Py_ssize_t lo, hi;
+        part_bounds(n, k->size, q, &lo, &hi);
+        if (q != k->rank) copy_pieces(out + lo * item, slot_of(k, q, step) + lo * item, (hi - lo) * item, COPY_PIECE);
+    }
+}
+
+static void publish_counter(const Kernel *k, uint64_t value) {
+    __atomic_store_n(&k->counters[k->rank], value, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
+    ring_sleepers(k);
+}
+
+/* Where a rank that does not want the result (a reduce's non-root) reduces its part: scratch memory. */
+static uint8_t *scratch_of(Kernel *k, Py_ssize_t bytes) {
+    if (bytes > k->scratch_bytes) {
+        uint8_t *grown = PyMem_Realloc(k->scratch, (size_t)bytes);
+        if (grown == NULL) return NULL;
+        k->scratch = grown;
+        k->scratch_bytes = bytes;
+    }
+    return k->scratch;
+}
+
+/* run_split(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want): a call that fits a slot, in three
+ * steps, where each rank reduces 1/p of the data instead of all of it (tcoll.shm.vector._reduce_split has
+ * the same steps in Python): step `step`: claim, describe, copy in, publish; when every rank has and
+ * describes the same call, reduce this rank's part of every slot (into `buf` at that part if `want`) and
+ * copy it over its own part of its slot; publish `step + 1`; when every rank has, copy the others' parts
+ * out (if `want`); publish `step + 2` (done reading the slots). Returns how far it got: NOT_STARTED,
+ * PUBLISHED (`step`), REDUCED (`step + 1`) or DONE; Python goes on from there as with run(). */
+static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer view;
+    int dtype, op, yield, want;
+    uint64_t step, sequence, spin_ns;
+    if (parse_run(self, args, nargs, &view, &dtype, &op, &step, &sequence, &spin_ns, &yield, &want) < 0)
+        return NULL;
+    Py_ssize_t item = ITEMSIZE[dtype], n = view.len / item, lo, hi;
+    part_bounds(n, self->size, self->rank, &lo, &hi);
+    uint8_t *into = want ? (uint8_t *)view.buf + lo * item : scratch_of(self, (hi - lo) * item + 1);
+    long state = NOT_STARTED;
+    if (into == NULL || (step >= 1 && !wait_all(self, step, spin_ns, yield)))
+        goto out;
+    if (publish_step(self, &view, step, args[4], sequence) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    state = PUBLISHED;
+    if (!wait_all(self, step + 1, spin_ns, yield) || !descriptors_agree(self, step) ||
+        !reduce_part(self, step, dtype, op, into, n))
+        goto out;
+    publish_counter(self, step + 2);
+    state = REDUCED;
+    if (want) {
+        if (!wait_all(self, step + 2, spin_ns, yield))
+            goto out;
+        copy_parts_out(self, step, item, view.buf, n);
+    }
+    publish_counter(self, step + 3);
     state = DONE;
 out:
     PyBuffer_Release(&view);
@@ -586,6 +689,7 @@ static PyMethodDef module_methods[] = {
 
 static PyMethodDef Kernel_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Kernel_run, METH_FASTCALL, "One small reduction step (see the module)."},
+    {"run_split", (PyCFunction)(void (*)(void))Kernel_run_split, METH_FASTCALL, "A call that fits a slot, in three steps."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -620,5 +724,6 @@ PyMODINIT_FUNC PyInit__arena_kernel(void) {
     PyModule_AddIntConstant(m, "NOT_STARTED", NOT_STARTED);
     PyModule_AddIntConstant(m, "PUBLISHED", PUBLISHED);
     PyModule_AddIntConstant(m, "DONE", DONE);
+    PyModule_AddIntConstant(m, "REDUCED", REDUCED);
     return m;
 }

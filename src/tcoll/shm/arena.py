@@ -63,6 +63,8 @@ _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a ful
 KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
     (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
      np.float16, ml_dtypes.bfloat16))}
+# Steps a run_split took by the state it returns (PUBLISHED, DONE, REDUCED).
+_SPLIT_STEPS_TAKEN = {1: 1, 2: 3, 3: 2}
 _COPY_PIECE = 64 << 10  # the kernel copies in pieces of this size; anything smaller NumPy copies as well
 KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later
 
@@ -268,6 +270,21 @@ class Arena:
                                 self.kernel_yields, want)
         if state:
             self.step, self.first = step + 1, step
+        return state
+
+    def run_split(self, buf: np.ndarray, dtype: int, op: int, want: bool) -> int:
+        """A call that fits a slot, in the kernel's three steps (tcoll.shm.vector._reduce_split).
+
+        Returns:
+            kernel_module.DONE (its three steps taken); REDUCED: two steps published, the other ranks' parts
+            not yet copied out; PUBLISHED: only the first step is (`agree` and the rest are the caller's);
+            NOT_STARTED.
+        """
+        step = self.step
+        state = self.kernel.run_split(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
+                                      self.kernel_yields, want)
+        if state:
+            self.step, self.first = step + _SPLIT_STEPS_TAKEN[state], step
         return state
 
     def agree(self, step: int) -> None:

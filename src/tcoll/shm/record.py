@@ -15,7 +15,9 @@ has nothing to wait for, and the ranks run one after another, each to its
 end. What a wait would have ensured is checked afterwards instead: every
 byte a rank reads from a slot was written in that slot's step, by ranks
 whose publication of that step the reader waited for, and no rank writes a
-step's slot after publishing the step. A schedule that breaks this is a
+step's slot after publishing the step, but its own (a reduction's part
+rewritten in place): a rank that reads such bytes must have waited for the
+writer's next publication. A schedule that breaks this is a
 RuntimeError, so the recorder also tests the algorithms' synchronisation.
 No buffer is lent (the stand-in has no heap): the schedule is that of buffers
 outside shared memory, which go through the slots; a buffer from
@@ -107,14 +109,14 @@ class RecordingArena:
         self.seen = [-1] * self.size
         self.published = 0
         self.reads: list[tuple[SlotView, tuple[int, ...]]] = []  # with what this rank had seen: checked later
-        self.writes: list[SlotView] = []
+        self.writes: list[tuple[SlotView, int]] = []  # with the step whose publication makes them readable
 
     def noted(self, view: SlotView, write: bool, combine: bool) -> None:
-        if write and view.step < self.published:
+        if write and view.step < self.published and view.owner != self.rank:
             raise RuntimeError(f"rank {self.rank} writes a slot of step {view.step} after publishing it")
         self.schedule.accesses.append(SlotAccess(view.step, self.rank, view.owner, view.nbytes, write, combine))
-        if write:
-            self.writes.append(view)
+        if write:  # its own slot of a step it published: readable once it publishes the next one
+            self.writes.append((view, max(view.step, self.published)))
         else:
             self.reads.append((view, tuple(self.seen)))
 
@@ -251,19 +253,19 @@ def record_direct(collective: str, algorithm: str, size: int, count: int = 1, *,
 
 def _check(arenas: list[RecordingArena]) -> None:
     """Raise RuntimeError unless every read byte was written in its step by writers the reader waited for."""
-    written: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    written: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for arena in arenas:
-        for view in arena.writes:
-            written.setdefault((view.owner, view.step), []).append((view.lo, view.hi, arena.rank))
+        for view, readable in arena.writes:
+            written.setdefault((view.owner, view.step), []).append((view.lo, view.hi, arena.rank, readable))
     for arena in arenas:
         for view, seen in arena.reads:
             at = view.lo
-            for lo, hi, writer in sorted(written.get((view.owner, view.step), [])):
+            for lo, hi, writer, readable in sorted(written.get((view.owner, view.step), [])):
                 if hi <= view.lo or lo >= view.hi:
                     continue
                 if lo > at:
                     break
-                if writer != arena.rank and seen[writer] < view.step:
+                if writer != arena.rank and seen[writer] < readable:
                     raise RuntimeError(f"rank {arena.rank} reads step {view.step} of rank {view.owner}'s slot "
                                        f"before rank {writer} published it")
                 at = max(at, hi)

@@ -28,19 +28,21 @@ from ..algos.topology import part_bounds
 from ..ops import Op
 from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_module
 
-DONE, PUBLISHED = (kernel_module.DONE, kernel_module.PUBLISHED) if kernel_module is not None else (2, 1)
+DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
+                            if kernel_module is not None else (2, 1, 3))
 
 __all__ = ["SMALL_BYTES", "one_step", "all_reduce", "reduce", "broadcast", "barrier"]
 
-SMALL_BYTES = 128 << 10  # all_reduce/reduce up to this (any slot-sized one on 2 ranks): one step, every rank
-# reduces the whole vector from every slot. It reads p vectors where the pipelined steps read one, but it
-# synchronises once, writes the result straight into the caller's buffer and skips the shared result and its
-# copy out: measured faster up to 128 KiB on 4 ranks and at every slot size on 2 (docs/performance.md).
+SMALL_BYTES = 128 << 10  # all_reduce/reduce up to this on more than 2 ranks: one step, every rank reduces
+# the whole vector from every slot. It reads p vectors where the steps of _reduce_split read one, but it
+# synchronises once and writes the result straight into the caller's buffer: measured faster up to 128 KiB
+# on 4 ranks (docs/performance.md).
+SMALL_BYTES_2 = 16 << 10  # the same on 2 ranks: above it each rank reducing half (_reduce_split) is faster
 
 
 def one_step(nbytes: int, size: int, slot_bytes: int) -> bool:
     """Whether an all_reduce/reduce of `nbytes` on `size` ranks runs in one step (the same on every rank)."""
-    return nbytes <= slot_bytes and (nbytes <= SMALL_BYTES or size == 2)
+    return nbytes <= slot_bytes and nbytes <= (SMALL_BYTES_2 if size == 2 else SMALL_BYTES)
 
 
 def _raw(arr: np.ndarray) -> np.ndarray:
@@ -62,17 +64,17 @@ def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
 def all_reduce(arena: Arena, buf: np.ndarray, op: Op) -> None:
     """Shared-memory all_reduce: copy in, each rank reduces its 1/p of every slot, copy out.
 
-    Steps: up to 128 KiB (on 2 ranks, up to a slot), one step in which
+    Steps: up to 128 KiB (on 2 ranks, up to 16 KiB), one step in which
     every rank reduces all slots itself; larger, per slot-sized piece: write
-    the piece, publish; reduce this rank's 1/p of it over all slots into the
-    shared result, publish; copy the whole result out. Memory traffic per
-    rank: n bytes in, n bytes reduced from p inputs / p, n bytes out.
-    Operands in rank order.
+    the piece, publish; reduce this rank's 1/p of it over all slots into
+    this rank's slot of the next step, publish; copy every rank's part out.
+    Memory traffic per rank: n bytes in, n bytes reduced from p inputs / p,
+    n bytes out. Operands in rank order.
     """
     if 1 < arena.size and one_step(buf.nbytes, arena.size, arena.slot_bytes):
         _reduce_small(arena, buf, op, None)  # the common small call, one Python call sooner
     else:
-        _reduce_direct(arena, buf, op, None, "all_reduce")
+        _reduce_direct(arena, buf, op, None)
 
 
 @algorithm("reduce", "shm", cost=_reduce_cost, direct=True)
@@ -83,14 +85,16 @@ def reduce(arena: Arena, buf: np.ndarray, op: Op, root: int) -> None:
     their share of the reduction is published (after the first step, in which
     every rank checks that every rank makes the same call).
     """
-    _reduce_direct(arena, buf, op, root, "reduce")
+    _reduce_direct(arena, buf, op, root)
 
 
-def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None, what: str) -> None:
+def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
     if arena.size == 1:
         return
     if one_step(buf.nbytes, arena.size, arena.slot_bytes):
         _reduce_small(arena, buf, op, root)
+    elif buf.nbytes <= arena.slot_bytes:
+        _reduce_split(arena, buf, op, root)
     else:
         _reduce_large(arena, buf, op, root)
 
@@ -122,8 +126,61 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         combine_all(arena, op, slots, buf)
 
 
+def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
+    """A call that fits a slot, in three steps: write and publish; reduce this rank's 1/p of every slot and
+    copy it over its own part of its slot, publish; copy the other ranks' parts out, publish (done reading).
+
+    Each rank reduces 1/p of the data, and writes only lines it wrote a moment ago. The C kernel runs
+    the steps when it is built and takes the dtype and op; where it stops (a late peer, a descriptor
+    that differs), Python goes on.
+    """
+    want = root is None or arena.rank == root
+    state = 0  # kernel_module.NOT_STARTED
+    if arena.kernel is not None:
+        dtype, code = KERNEL_DTYPES.get(buf.dtype), KERNEL_OPS.get(op)
+        if dtype is not None and code is not None:
+            state = arena.run_split(buf, dtype, code, want)
+            if state == DONE:
+                return
+    raw = _raw(buf)
+    if not state:
+        step = arena.first_step()
+        copy_bytes(arena, arena.slot(arena.rank, step)[:raw.nbytes], raw)
+        arena.publish(step)
+    if state != REDUCED:
+        arena.agree(arena.first)
+        _reduce_own_part(arena, op, raw, buf.dtype, want)
+        arena.publish(arena.skip())
+    if want:
+        arena.wait_all(arena.first + 1)
+        _copy_other_parts(arena, raw, buf.dtype)
+    arena.publish(arena.skip())
+
+
+def _reduce_own_part(arena: Arena, op: Op, raw: np.ndarray, dtype: np.dtype, want: bool) -> None:
+    """This rank's 1/p of every slot of the call's first step, reduced into raw (or scratch, if it does not
+    want the result) and copied over its own part of its slot, where the other ranks read it."""
+    first, last = part_bounds(raw.nbytes // dtype.itemsize, arena.size, arena.rank)
+    a, b = first * dtype.itemsize, last * dtype.itemsize
+    parts = [arena.slot(q, arena.first)[a:b].view(dtype) for q in range(arena.size)]
+    into = raw[a:b].view(dtype) if want else np.empty(last - first, dtype)
+    combine_all(arena, op, parts, into)
+    copy_bytes(arena, arena.slot(arena.rank, arena.first)[a:b], into.view(np.uint8))
+
+
+def _copy_other_parts(arena: Arena, raw: np.ndarray, dtype: np.dtype) -> None:
+    """The other ranks' reduced parts, from their slots of the call's first step, into raw."""
+    count = raw.nbytes // dtype.itemsize
+    for q in range(arena.size):
+        if q != arena.rank:
+            first, last = part_bounds(count, arena.size, q)
+            a, b = first * dtype.itemsize, last * dtype.itemsize
+            copy_bytes(arena, raw[a:b], arena.slot(q, arena.first)[a:b])
+
+
 def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
-    """Per slot-sized piece: write, publish, reduce my 1/p into the shared result, publish, copy out."""
+    """Per slot-sized piece: write, publish; reduce my 1/p of every slot into my slot of the next step,
+    publish; copy every rank's part out. A buffer lent in place (comm.empty) is read there."""
     size, me, dtype = arena.size, arena.rank, buf.dtype
     raw = _raw(buf)
     total = raw.nbytes
@@ -143,17 +200,34 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
                        for q in range(size)]
         else:
             arena.wait_all(step)
-        first, last = part_bounds((hi - lo) // dtype.itemsize, size, me)
-        a, b = first * dtype.itemsize, last * dtype.itemsize
-        parts = [(arena.slot(q, step)[a:b] if src is None else src[lo + a:lo + b]).view(dtype)
-                 for q, src in enumerate(sources)]
-        result = arena.claim()  # the result lies in rank 0's slot of this step, 1/p written by each rank
-        combine_all(arena, op, parts, arena.slot(0, result)[a:b].view(dtype))
-        arena.publish(result)
+        result = _reduce_piece(arena, op, raw, dtype, lo, hi, step, sources)
         if wants_result or (ref is not None and hi == total):  # a lender waits until nobody reads it
             arena.wait_all(result)
         if wants_result:
-            copy_bytes(arena, raw[lo:hi], arena.slot(0, result)[:hi - lo])
+            _copy_piece_out(arena, raw, dtype, lo, hi, result)
+
+
+def _reduce_piece(arena: Arena, op: Op, raw: np.ndarray, dtype: np.dtype, lo: int, hi: int, step: int,
+                  sources: list[np.ndarray | None]) -> int:
+    """Reduce this rank's 1/p of piece raw[lo:hi] (published at `step`; read from `sources` where a rank lent
+    its buffer) into its own slot of the next step, and publish that step; returns it."""
+    first, last = part_bounds((hi - lo) // dtype.itemsize, arena.size, arena.rank)
+    a, b = first * dtype.itemsize, last * dtype.itemsize
+    parts = [(arena.slot(q, step)[a:b] if src is None else src[lo + a:lo + b]).view(dtype)
+             for q, src in enumerate(sources)]
+    result = arena.claim()
+    combine_all(arena, op, parts, arena.slot(arena.rank, result)[a:b].view(dtype))
+    arena.publish(result)
+    return result
+
+
+def _copy_piece_out(arena: Arena, raw: np.ndarray, dtype: np.dtype, lo: int, hi: int, result: int) -> None:
+    """Copy every rank's reduced part of piece raw[lo:hi] out of its slot of step `result`."""
+    count = (hi - lo) // dtype.itemsize
+    for q in range(arena.size):
+        first, last = part_bounds(count, arena.size, q)
+        a, b = first * dtype.itemsize, last * dtype.itemsize
+        copy_bytes(arena, raw[lo + a:lo + b], arena.slot(q, result)[a:b])
 
 
 # -- broadcast -----------------------------------------------------------------------------
