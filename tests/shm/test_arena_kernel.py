@@ -435,9 +435,11 @@ def disagreement(comm: tcoll.Communicator, case: str) -> tuple[str, bool]:
     right call: (what the differing call raised, or "no error"; whether the next call was right)."""
     _counting(comm)
     first = comm.rank == 0
-    count = 20000  # 80 KB of float32: one step since this round (above the old 16 KiB)
+    count = 15000  # 60 KB of float32: one step on 3 ranks, three on 2
     if case == "size across the one-step limit":  # 64 KiB slot: one rank's call fits it, the other's does not
         x, op, root = np.ones(16384 if first else 16386, np.float32), "sum", None
+    elif case == "size across the split":  # on 2 ranks, one step up to 16 KiB, three steps above
+        x, op, root = np.ones(4096 if first else 4098, np.float32), "sum", None
     elif case == "dtype":
         x, op, root = np.ones(count, np.int32 if first else np.float32), "sum", None
     elif case == "root":
@@ -460,11 +462,12 @@ def disagreement(comm: tcoll.Communicator, case: str) -> tuple[str, bool]:
 
 @needs_kernel
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["size across the one-step limit", "dtype", "root", "op"])
-def test_ranks_that_disagree_in_the_one_step_all_raise(case: str) -> None:
-    """Ranks that disagree in a call the one step now serves (or on which side of its limit a call falls)
-    get a MismatchError naming the difference on every rank, and the next call is right."""
-    size = 2 if case == "size across the one-step limit" else 3
+@pytest.mark.parametrize("case,size", [("size across the one-step limit", 2), ("size across the split", 2),
+                                       ("dtype", 3), ("root", 3), ("op", 3), ("dtype", 2), ("root", 2), ("op", 2)])
+def test_ranks_that_disagree_in_the_one_step_all_raise(case: str, size: int) -> None:
+    """Ranks that disagree in a call the one step serves (3 ranks) or the three steps (2 ranks), or on which
+    side of a limit a call falls, get a MismatchError naming the difference on every rank, and the next
+    call is right."""
     results = tcoll.spawn(disagreement, size, (case,), timeout=50, transport="shm", shm_slot=SLOT)
     for rank, (said, after_ok) in enumerate(results):
         assert "where rank" in said or "disagree" in said, (case, rank, said)
