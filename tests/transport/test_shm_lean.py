@@ -333,3 +333,24 @@ def threads_on_one_engine(comm: tcoll.Communicator, count: int) -> bool:
 @pytest.mark.parametrize("shm_kernel", KERNELS)
 def test_threads_of_a_rank_share_the_lean_path_and_the_engine(shm_kernel: str) -> None:
     assert _spawn(threads_on_one_engine, 2, shm_kernel, 400) == [True, True]
+
+
+def sendrecv_ring(comm: tcoll.Communicator, rounds: int) -> bool:
+    """Every rank sendrecvs right and left, small messages through the lean send; a bad receive buffer
+    raises before anything is sent (the next round's message is the one received)."""
+    r, p = comm.rank, comm.size
+    right, left = (r + 1) % p, (r - 1) % p
+    with pytest.raises(ValueError, match="read-only"):
+        comm.sendrecv(np.full(4, r, dtype=np.int64), right, np.frombuffer(bytes(32), dtype=np.int64), left)
+    for i in range(rounds):
+        n = 1 + (i * 97) % 700
+        out = np.zeros(n, dtype=np.int64)
+        assert comm.sendrecv(np.full(n, r * 1000 + i, dtype=np.int64), right, out, left) is out  # tag 0, too
+        assert (out == left * 1000 + i).all(), (i, out[:3])
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm_kernel", KERNELS)
+def test_sendrecv_rings_send_at_once_and_refuse_bad_buffers_first(shm_kernel: str) -> None:
+    assert _spawn(sendrecv_ring, 3, shm_kernel, 300) == [True, True, True]

@@ -66,7 +66,9 @@ def sendrecv(comm: Communicator, sendbuf: Any, dst: int, recvbuf: Any, src: int,
 
     The receive is posted first, then the send; both move on together, so a
     ring of ranks that each sendrecv to the right and from the left finishes
-    at any size. The message received may be shorter than recvbuf.
+    at any size. The message received may be shorter than recvbuf. A small
+    blocking one to a peer on this host is sent at once (the lean path of
+    `send`), then received as `recv` does.
 
     Args:
         sendbuf: a contiguous buffer (array, tensor) to send.
@@ -89,6 +91,8 @@ def sendrecv(comm: Communicator, sendbuf: Any, dst: int, recvbuf: Any, src: int,
     check_tag(sendtag)
     source_of(comm, src, recvtag)
     as_bytes(sendbuf, writable=False, what="send buffer")  # checked before the receive is posted
+    if not async_op and _sent_at_once(comm, sendbuf, dst, sendtag, recvbuf):
+        return comm.recv(recvbuf, src, recvtag, timeout)  # the send is complete: no deadlock is possible
     recv = comm.irecv(recvbuf, src, recvtag)
     return _pair(comm, recv, _send(comm, recv, sendbuf, dst, sendtag), recvbuf, "sendrecv", async_op, timeout)
 
@@ -112,6 +116,16 @@ def sendrecv_replace(comm: Communicator, buf: Any, dst: int, src: int, sendtag: 
     outgoing = np.array(as_bytes(buf, writable=True, what="sendrecv_replace buffer"), copy=True)
     recv = comm.irecv(buf, src, recvtag)
     return _pair(comm, recv, _send(comm, recv, outgoing, dst, sendtag), buf, "sendrecv_replace", async_op, timeout)
+
+
+def _sent_at_once(comm: Communicator, sendbuf: Any, dst: int, tag: int, recvbuf: Any) -> bool:
+    """Send through the lean path (a small message to a peer on this host, nothing queued before it), once
+    the receive buffer is known to be good: True if sent, complete."""
+    if comm._engine.lean[comm._world[dst]] is None:
+        return False
+    comm._check_open()
+    as_bytes(recvbuf, writable=True, what="receive buffer")  # a bad one raises before anything is sent
+    return comm._engine.send_now(sendbuf, comm._world[dst], comm._p2p_ctx, tag)
 
 
 def _send(comm: Communicator, recv: Work, buf: Any, dst: int, tag: int) -> Work:
