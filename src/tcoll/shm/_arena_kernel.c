@@ -474,21 +474,28 @@ static int reduce_slots(const Kernel *k, uint64_t step, int dtype, int op, void 
 }
 
 /* The arguments of run() and run_split(); the buffer acquired (release it), or -1 with the error set. */
-static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_buffer *view, int *dtype, int *op,
-                     uint64_t *step, uint64_t *sequence, uint64_t *spin_ns, int *yield, int *want) {
+typedef struct {
+    Py_buffer view;
+    int dtype, op, yield, want;
+    uint64_t step, sequence, spin_ns;
+    PyObject *stamp;
+} RunArgs;
+
+static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunArgs *a) {
     if (nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want)");
         return -1;
     }
-    *dtype = (int)PyLong_AsLong(args[1]);
-    *op = (int)PyLong_AsLong(args[2]);
-    *step = PyLong_AsUnsignedLongLong(args[3]);
-    *sequence = PyLong_AsUnsignedLongLong(args[5]);
-    *spin_ns = PyLong_AsUnsignedLongLong(args[6]);
-    *yield = PyObject_IsTrue(args[7]);
-    *want = PyObject_IsTrue(args[8]);
+    a->dtype = (int)PyLong_AsLong(args[1]);
+    a->op = (int)PyLong_AsLong(args[2]);
+    a->step = PyLong_AsUnsignedLongLong(args[3]);
+    a->stamp = args[4];
+    a->sequence = PyLong_AsUnsignedLongLong(args[5]);
+    a->spin_ns = PyLong_AsUnsignedLongLong(args[6]);
+    a->yield = PyObject_IsTrue(args[7]);
+    a->want = PyObject_IsTrue(args[8]);
     if (PyErr_Occurred()) return -1;
-    if (*dtype < 0 || *dtype >= NDTYPES || *op < 0 || *op >= NOPS) {
+    if (a->dtype < 0 || a->dtype >= NDTYPES || a->op < 0 || a->op >= NOPS) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: unknown dtype or op code");
         return -1;
     }
@@ -496,36 +503,40 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_b
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised");
         return -1;
     }
-    if (PyObject_GetBuffer(args[0], view, PyBUF_WRITABLE) < 0) return -1;  /* PyBUF_SIMPLE: contiguous */
-    if (view->len > self->slot_bytes || view->len % ITEMSIZE[*dtype]) {
-        PyBuffer_Release(view);
+    if (PyObject_GetBuffer(args[0], &a->view, PyBUF_WRITABLE) < 0) return -1;  /* PyBUF_SIMPLE: contiguous */
+    if (a->view.len > self->slot_bytes || a->view.len % ITEMSIZE[a->dtype]) {
+        PyBuffer_Release(&a->view);
         PyErr_SetString(PyExc_ValueError, "arena kernel: the buffer does not fit a slot or its dtype");
         return -1;
     }
     return 0;
 }
 
-static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer view;
-    int dtype, op, yield, want;
-    uint64_t step, sequence, spin_ns;
-    if (parse_run(self, args, nargs, &view, &dtype, &op, &step, &sequence, &spin_ns, &yield, &want) < 0)
-        return NULL;
-    long state = NOT_STARTED;
-    if (step >= 1 && !wait_all(self, step, spin_ns, yield))  /* claim: every rank is done with step - 2 */
-        goto out;
-    if (publish_step(self, &view, step, args[4], sequence) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
+/* A call's first step: claim it (every rank is done with step - 2), describe the call, copy in, publish.
+ * PUBLISHED, NOT_STARTED (a peer is still on the step before, past the spin), or -1 with the error set
+ * and the view released. */
+static long claim_and_publish(Kernel *self, RunArgs *a) {
+    if (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield))
+        return NOT_STARTED;
+    if (publish_step(self, &a->view, a->step, a->stamp, a->sequence) < 0) {
+        PyBuffer_Release(&a->view);
+        return -1;
     }
-    state = PUBLISHED;
-    if (!wait_all(self, step + 1, spin_ns, yield) || !descriptors_agree(self, step))
+    return PUBLISHED;
+}
+
+static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    RunArgs a;
+    if (parse_run(self, args, nargs, &a) < 0) return NULL;
+    long state = claim_and_publish(self, &a);
+    if (state < 0) return NULL;
+    if (state == NOT_STARTED || !wait_all(self, a.step + 1, a.spin_ns, a.yield) || !descriptors_agree(self, a.step))
         goto out;
-    if (want && !reduce_slots(self, step, dtype, op, view.buf, view.len / ITEMSIZE[dtype]))
+    if (a.want && !reduce_slots(self, a.step, a.dtype, a.op, a.view.buf, a.view.len / ITEMSIZE[a.dtype]))
         goto out;  /* an op this dtype does not take in C: Python reduces */
     state = DONE;
 out:
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&a.view);
     return PyLong_FromLong(state);
 }
 
@@ -584,36 +595,27 @@ static uint8_t *scratch_of(Kernel *k, Py_ssize_t bytes) {
  * out (if `want`); publish `step + 2` (done reading the slots). Returns how far it got: NOT_STARTED,
  * PUBLISHED (`step`), REDUCED (`step + 1`) or DONE; Python goes on from there as with run(). */
 static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer view;
-    int dtype, op, yield, want;
-    uint64_t step, sequence, spin_ns;
-    if (parse_run(self, args, nargs, &view, &dtype, &op, &step, &sequence, &spin_ns, &yield, &want) < 0)
-        return NULL;
-    Py_ssize_t item = ITEMSIZE[dtype], n = view.len / item, lo, hi;
+    RunArgs a;
+    if (parse_run(self, args, nargs, &a) < 0) return NULL;
+    Py_ssize_t item = ITEMSIZE[a.dtype], n = a.view.len / item, lo, hi;
     part_bounds(n, self->size, self->rank, &lo, &hi);
-    uint8_t *into = want ? (uint8_t *)view.buf + lo * item : scratch_of(self, (hi - lo) * item + 1);
-    long state = NOT_STARTED;
-    if (into == NULL || (step >= 1 && !wait_all(self, step, spin_ns, yield)))
+    uint8_t *into = a.want ? (uint8_t *)a.view.buf + lo * item : scratch_of(self, (hi - lo) * item + 1);
+    long state = into == NULL ? NOT_STARTED : claim_and_publish(self, &a);
+    if (state < 0) return NULL;
+    if (state == NOT_STARTED || !wait_all(self, a.step + 1, a.spin_ns, a.yield) ||
+        !descriptors_agree(self, a.step) || !reduce_part(self, a.step, a.dtype, a.op, into, n))
         goto out;
-    if (publish_step(self, &view, step, args[4], sequence) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    state = PUBLISHED;
-    if (!wait_all(self, step + 1, spin_ns, yield) || !descriptors_agree(self, step) ||
-        !reduce_part(self, step, dtype, op, into, n))
-        goto out;
-    publish_counter(self, step + 2);
+    publish_counter(self, a.step + 2);
     state = REDUCED;
-    if (want) {
-        if (!wait_all(self, step + 2, spin_ns, yield))
+    if (a.want) {
+        if (!wait_all(self, a.step + 2, a.spin_ns, a.yield))
             goto out;
-        copy_parts_out(self, step, item, view.buf, n);
+        copy_parts_out(self, a.step, item, a.view.buf, n);
     }
-    publish_counter(self, step + 3);
+    publish_counter(self, a.step + 3);
     state = DONE;
 out:
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&a.view);
     return PyLong_FromLong(state);
 }
 
@@ -689,7 +691,8 @@ static PyMethodDef module_methods[] = {
 
 static PyMethodDef Kernel_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Kernel_run, METH_FASTCALL, "One small reduction step (see the module)."},
-    {"run_split", (PyCFunction)(void (*)(void))Kernel_run_split, METH_FASTCALL, "A call that fits a slot, in three steps."},
+    {"run_split", (PyCFunction)(void (*)(void))Kernel_run_split, METH_FASTCALL,
+     "A call that fits a slot, in three steps (see the source)."},
     {NULL, NULL, 0, NULL},
 };
 

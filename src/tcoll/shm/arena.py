@@ -69,18 +69,25 @@ _COPY_PIECE = 64 << 10  # the kernel copies in pieces of this size; anything sma
 KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later
 
 
+def kernel_codes(arena: Any, dtype: np.dtype, op: Any) -> tuple[int, int] | None:
+    """The C kernel's codes of `dtype` and `op`, or None: the arena has no kernel, or it does not take them."""
+    if arena.kernel is None:
+        return None
+    dtype_code, op_code = KERNEL_DTYPES.get(dtype), KERNEL_OPS.get(op)
+    return None if dtype_code is None or op_code is None else (dtype_code, op_code)
+
+
 def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -> None:
     """op.combine_all(parts, out) of a direct algorithm: in C where the arena has the kernel and it takes
     the dtype and op (the same results as NumPy's, bit for bit), else NumPy's."""
-    if arena.kernel is not None and len(parts) > 1:
-        dtype, code = KERNEL_DTYPES.get(out.dtype), KERNEL_OPS.get(op)
-        if dtype is not None and code is not None:
-            combine = kernel_module.combine
-            combine(dtype, code, out, parts[0], parts[1])
-            for part in parts[2:]:
-                combine(dtype, code, out, out, part)
-            return
-    op.combine_all(parts, out)
+    codes = kernel_codes(arena, out.dtype, op) if len(parts) > 1 else None
+    if codes is None:
+        op.combine_all(parts, out)
+        return
+    combine, (dtype, code) = kernel_module.combine, codes
+    combine(dtype, code, out, parts[0], parts[1])
+    for part in parts[2:]:
+        combine(dtype, code, out, out, part)
 
 
 def copy_bytes(arena: Any, dst: np.ndarray, src: np.ndarray) -> None:

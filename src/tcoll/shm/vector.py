@@ -26,7 +26,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
-from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_module
+from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_codes, kernel_module
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
@@ -135,13 +135,10 @@ def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     that differs), Python goes on.
     """
     want = root is None or arena.rank == root
-    state = 0  # kernel_module.NOT_STARTED
-    if arena.kernel is not None:
-        dtype, code = KERNEL_DTYPES.get(buf.dtype), KERNEL_OPS.get(op)
-        if dtype is not None and code is not None:
-            state = arena.run_split(buf, dtype, code, want)
-            if state == DONE:
-                return
+    codes = kernel_codes(arena, buf.dtype, op)
+    state = 0 if codes is None else arena.run_split(buf, *codes, want)  # 0: kernel_module.NOT_STARTED
+    if state == DONE:
+        return
     raw = _raw(buf)
     if not state:
         step = arena.first_step()

@@ -119,11 +119,21 @@ static int plain_buffer(PyObject *obj, Py_buffer *view, int flags) {
     return 1;
 }
 
-/* Read the uint64 arguments at args[0..n), or fail with the error set. */
-static int unsigned_args(PyObject *const *args, int n, uint64_t *out) {
-    for (int i = 0; i < n; i++) {
-        out[i] = PyLong_AsUnsignedLongLong(args[i]);
-        if (out[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+/* Check a call's argument count and this object, and read its first three arguments (a stream position,
+ * ctx, tag) as uint64; -1 with the error set if any of that fails. */
+static int begin_call(const Rings *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
+                      const char *usage, uint64_t *position_ctx_tag) {
+    if (nargs != expected) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (self->held != NVIEWS) {
+        PyErr_SetString(PyExc_ValueError, "ring kernel: not initialised");
+        return -1;
+    }
+    for (int i = 0; i < 3; i++) {
+        position_ctx_tag[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (position_ctx_tag[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
     }
     return 0;
 }
@@ -132,15 +142,7 @@ static int unsigned_args(PyObject *const *args, int n, uint64_t *out) {
  * and ring the peer; the new head, or NO_ROOM (nothing written: no room now, or not a buffer it takes). */
 static PyObject *Rings_send(Rings *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t head_ctx_tag[3];
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "send(head, ctx, tag, buf)");
-        return NULL;
-    }
-    if (self->held != NVIEWS) {
-        PyErr_SetString(PyExc_ValueError, "ring kernel: not initialised");
-        return NULL;
-    }
-    if (unsigned_args(args, 3, head_ctx_tag) < 0) return NULL;
+    if (begin_call(self, args, nargs, 4, "send(head, ctx, tag, buf)", head_ctx_tag) < 0) return NULL;
     uint64_t head = head_ctx_tag[0];
     Py_buffer view;
     if (!plain_buffer(args[3], &view, PyBUF_C_CONTIGUOUS)) return PyLong_FromLong(NO_ROOM);
@@ -204,15 +206,8 @@ static int header_is_mine(const Rings *self, uint64_t tail, uint32_t ctx, uint64
  * complete in time, or a buffer it will not take): then nothing was taken. */
 static PyObject *Rings_recv(Rings *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t tail_ctx_tag[3];
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "recv(tail, ctx, tag, buf, spin_ns, yield)");
+    if (begin_call(self, args, nargs, 6, "recv(tail, ctx, tag, buf, spin_ns, yield)", tail_ctx_tag) < 0)
         return NULL;
-    }
-    if (self->held != NVIEWS) {
-        PyErr_SetString(PyExc_ValueError, "ring kernel: not initialised");
-        return NULL;
-    }
-    if (unsigned_args(args, 3, tail_ctx_tag) < 0) return NULL;
     uint64_t budget_ns = PyLong_AsUnsignedLongLong(args[4]);
     int yield = PyObject_IsTrue(args[5]);
     if (PyErr_Occurred()) return NULL;
