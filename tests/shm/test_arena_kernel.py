@@ -157,6 +157,41 @@ def test_three_steps_on_more_ranks_match_numpy(size: int) -> None:
     assert all(states.get(arena_module.kernel_module.DONE) for _, states in results), results
 
 
+def mixed_kernels(comm: tcoll.Communicator, calls: int) -> list[str]:
+    """Rank 1 runs the Python steps while the others run the kernel: the same steps, the same results,
+    through one step, three steps and the pipelined pieces, with ranks late by turns."""
+    comm.barrier(algorithm="shm")  # makes the arena
+    if comm.rank == 1:
+        comm._dispatch.arena.kernel = None
+    rng = np.random.default_rng(11)  # the same sequence on every rank
+    bad = []
+    for call in range(calls):
+        count = int(rng.choice([3, 3000, SPLIT // 4 + 1, PIPELINED // 4]))
+        op = str(rng.choice(["sum", "max", "prod"]))
+        root, late = int(rng.integers(0, comm.size)), int(rng.integers(0, comm.size))
+        inputs = [((np.arange(count) * (q + 2) + call) % 7 + 1).astype(np.float32) for q in range(comm.size)]
+        if comm.rank == late:
+            _busy(0.0002)
+        x = inputs[comm.rank].copy()
+        if call % 2:
+            comm.reduce(x, root, op, algorithm="shm")
+            want = _expected(op, inputs) if comm.rank == root else inputs[comm.rank]
+        else:
+            comm.all_reduce(x, op, algorithm="shm")
+            want = _expected(op, inputs)
+        if not _same(x, want):
+            bad.append(f"rank {comm.rank} call {call}: {op} x{count} root {root}")
+    return bad
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_with_and_without_the_kernel_take_the_same_steps(size: int) -> None:
+    results = tcoll.spawn(mixed_kernels, size, (80,), timeout=100, transport="shm", shm_slot=SLOT)
+    assert not [f for bad in results for f in bad], results
+
+
 def _busy(seconds: float) -> None:
     """Keep this rank busy (not asleep) for `seconds`: it is late to the next call by that much."""
     end = time.perf_counter() + seconds

@@ -67,8 +67,9 @@ def sendrecv(comm: Communicator, sendbuf: Any, dst: int, recvbuf: Any, src: int,
     The receive is posted first, then the send; both move on together, so a
     ring of ranks that each sendrecv to the right and from the left finishes
     at any size. The message received may be shorter than recvbuf. A small
-    blocking one to a peer on this host is sent at once (the lean path of
-    `send`), then received as `recv` does.
+    blocking one to a peer on this host is sent at once instead (the lean
+    path of `send`), and then received as `recv` does: the receive is posted
+    after the send, which is complete by then.
 
     Args:
         sendbuf: a contiguous buffer (array, tensor) to send.

@@ -426,8 +426,9 @@ static void copy_in(Kernel *k, uint8_t *to, const uint8_t *from, Py_ssize_t byte
     if (++k->copies % EXPLORE_EVERY == 0) way = !way;
     uint64_t start = now_ns();
     copy_pieces(to, from, bytes, way ? VECTOR_PIECE : COPY_PIECE);
-    double cost = (double)(now_ns() - start) * 1024.0 / (double)bytes;
-    k->copy_cost[way] += 0.25 * (cost - k->copy_cost[way]);
+    double cost = (double)(now_ns() - start) * 1024.0 / (double)bytes, other = k->copy_cost[!way];
+    if (other > 0.0 && cost > 4.0 * other) cost = 4.0 * other;  /* a copy preempted midway must not ban its way */
+    k->copy_cost[way] = k->copy_cost[way] == 0.0 ? cost : k->copy_cost[way] + 0.25 * (cost - k->copy_cost[way]);
 }
 
 static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
@@ -599,6 +600,7 @@ static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_
     if (parse_run(self, args, nargs, &a) < 0) return NULL;
     Py_ssize_t item = ITEMSIZE[a.dtype], n = a.view.len / item, lo, hi;
     part_bounds(n, self->size, self->rank, &lo, &hi);
+    /* (without memory for the scratch, NOT_STARTED: Python runs the same steps) */
     uint8_t *into = a.want ? (uint8_t *)a.view.buf + lo * item : scratch_of(self, (hi - lo) * item + 1);
     long state = into == NULL ? NOT_STARTED : claim_and_publish(self, &a);
     if (state < 0) return NULL;

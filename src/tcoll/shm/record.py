@@ -15,9 +15,9 @@ has nothing to wait for, and the ranks run one after another, each to its
 end. What a wait would have ensured is checked afterwards instead: every
 byte a rank reads from a slot was written in that slot's step, by ranks
 whose publication of that step the reader waited for, and no rank writes a
-step's slot after publishing the step, but its own (a reduction's part
-rewritten in place): a rank that reads such bytes must have waited for the
-writer's next publication. A schedule that breaks this is a
+step's slot after publishing the step, but its own slot of the call's first
+step (a reduction's part rewritten in place): a rank that reads such bytes
+must have waited for the writer's next publication. A schedule that breaks this is a
 RuntimeError, so the recorder also tests the algorithms' synchronisation.
 No buffer is lent (the stand-in has no heap): the schedule is that of buffers
 outside shared memory, which go through the slots; a buffer from
@@ -112,7 +112,7 @@ class RecordingArena:
         self.writes: list[tuple[SlotView, int]] = []  # with the step whose publication makes them readable
 
     def noted(self, view: SlotView, write: bool, combine: bool) -> None:
-        if write and view.step < self.published and view.owner != self.rank:
+        if write and view.step < self.published and (view.owner != self.rank or view.step != self.first):
             raise RuntimeError(f"rank {self.rank} writes a slot of step {view.step} after publishing it")
         self.schedule.accesses.append(SlotAccess(view.step, self.rank, view.owner, view.nbytes, write, combine))
         if write:  # its own slot of a step it published: readable once it publishes the next one

@@ -13,8 +13,10 @@
  *
  * The ring layout and the header are tcoll.transport.shm's and
  * tcoll.p2p.channel.HEADER's ("<IIqQQQ": magic, ctx, tag, nbytes, stamp low,
- * stamp high). The caller holds the engine's lock and keeps the stream
- * positions (head, tail): this kernel keeps no state but the mappings.
+ * stamp high). The caller holds the engine's lock. The stream positions live
+ * only in the rings' control words (this rank is the only writer of its
+ * outbound head and inbound tail): each call reads its position there and
+ * publishes the new one, so no copy elsewhere can fall behind.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -119,10 +121,10 @@ static int plain_buffer(PyObject *obj, Py_buffer *view, int flags) {
     return 1;
 }
 
-/* Check a call's argument count and this object, and read its first three arguments (a stream position,
- * ctx, tag) as uint64; -1 with the error set if any of that fails. */
+/* Check a call's argument count and this object, and read its first two arguments (ctx, a uint32, and
+ * tag) as uint64; -1 with the error set if any of that fails. */
 static int begin_call(const Rings *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
-                      const char *usage, uint64_t *position_ctx_tag) {
+                      const char *usage, uint64_t *ctx_tag) {
     if (nargs != expected) {
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
@@ -131,21 +133,25 @@ static int begin_call(const Rings *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_ValueError, "ring kernel: not initialised");
         return -1;
     }
-    for (int i = 0; i < 3; i++) {
-        position_ctx_tag[i] = PyLong_AsUnsignedLongLong(args[i]);
-        if (position_ctx_tag[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    for (int i = 0; i < 2; i++) {
+        ctx_tag[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (ctx_tag[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    }
+    if (ctx_tag[0] > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "ring kernel: a context is a 32-bit number");
+        return -1;
     }
     return 0;
 }
 
-/* send(head, ctx, tag, buf): write one message into the peer's ring at stream position `head`, publish it
- * and ring the peer; the new head, or NO_ROOM (nothing written: no room now, or not a buffer it takes). */
+/* send(ctx, tag, buf): write one message into the peer's ring at its head, publish the new head and ring
+ * the peer; the new head, or NO_ROOM (nothing written: no room now, or not a buffer it takes). */
 static PyObject *Rings_send(Rings *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t head_ctx_tag[3];
-    if (begin_call(self, args, nargs, 4, "send(head, ctx, tag, buf)", head_ctx_tag) < 0) return NULL;
-    uint64_t head = head_ctx_tag[0];
+    uint64_t ctx_tag[2];
+    if (begin_call(self, args, nargs, 3, "send(ctx, tag, buf)", ctx_tag) < 0) return NULL;
+    uint64_t head = __atomic_load_n(&self->out_ctl[HEAD_WORD], __ATOMIC_RELAXED);  /* ours: we wrote it */
     Py_buffer view;
-    if (!plain_buffer(args[3], &view, PyBUF_C_CONTIGUOUS)) return PyLong_FromLong(NO_ROOM);
+    if (!plain_buffer(args[2], &view, PyBUF_C_CONTIGUOUS)) return PyLong_FromLong(NO_ROOM);
     uint64_t nbytes = (uint64_t)view.len;
     uint64_t tail = __atomic_load_n(&self->out_ctl[TAIL_WORD], __ATOMIC_ACQUIRE);
     if (HEADER_BYTES + nbytes > self->out_size - (head - tail)) {
@@ -153,10 +159,10 @@ static PyObject *Rings_send(Rings *self, PyObject *const *args, Py_ssize_t nargs
         return PyLong_FromLong(NO_ROOM);
     }
     uint8_t header[HEADER_BYTES] = {0};  /* a user message: stamp 0 */
-    uint32_t magic = MAGIC, ctx = (uint32_t)head_ctx_tag[1];
+    uint32_t magic = MAGIC, ctx = (uint32_t)ctx_tag[0];
     memcpy(header, &magic, 4);
     memcpy(header + 4, &ctx, 4);
-    memcpy(header + 8, &head_ctx_tag[2], 8);
+    memcpy(header + 8, &ctx_tag[1], 8);
     memcpy(header + 16, &nbytes, 8);
     ring_write(self->out_data, self->out_size, head, header, HEADER_BYTES);
     ring_write(self->out_data, self->out_size, head + HEADER_BYTES, view.buf, nbytes);
@@ -200,26 +206,25 @@ static int header_is_mine(const Rings *self, uint64_t tail, uint32_t ctx, uint64
            *nbytes <= self->in_size - HEADER_BYTES;
 }
 
-/* recv(tail, ctx, tag, buf, spin_ns, yield): take the message at stream position `tail` of our ring if it
- * is (ctx, tag) and fits `buf`, polling up to spin_ns for it (yielding the core at each poll if asked);
- * the new tail, or NOTHING_YET (no header came) or NOT_MINE (another message, one too large, one not
- * complete in time, or a buffer it will not take): then nothing was taken. */
+/* recv(ctx, tag, buf, spin_ns, yield): take the message at our ring's tail if it is (ctx, tag) and fits
+ * `buf`, polling up to spin_ns for it (yielding the core at each poll if asked); the new tail, or
+ * NOTHING_YET (no header came) or NOT_MINE (another message, one too large, one not complete in time, or
+ * a buffer it will not take): then nothing was taken. */
 static PyObject *Rings_recv(Rings *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t tail_ctx_tag[3];
-    if (begin_call(self, args, nargs, 6, "recv(tail, ctx, tag, buf, spin_ns, yield)", tail_ctx_tag) < 0)
-        return NULL;
-    uint64_t budget_ns = PyLong_AsUnsignedLongLong(args[4]);
-    int yield = PyObject_IsTrue(args[5]);
+    uint64_t ctx_tag[2];
+    if (begin_call(self, args, nargs, 5, "recv(ctx, tag, buf, spin_ns, yield)", ctx_tag) < 0) return NULL;
+    uint64_t budget_ns = PyLong_AsUnsignedLongLong(args[3]);
+    int yield = PyObject_IsTrue(args[4]);
     if (PyErr_Occurred()) return NULL;
-    uint64_t tail = tail_ctx_tag[0], nbytes;
+    uint64_t tail = __atomic_load_n(&self->in_ctl[TAIL_WORD], __ATOMIC_RELAXED), nbytes;  /* ours: we wrote it */
     Py_buffer view;
-    if (!plain_buffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) return PyLong_FromLong(NOT_MINE);
+    if (!plain_buffer(args[2], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) return PyLong_FromLong(NOT_MINE);
     uint64_t start = now_ns();
     uint64_t head = wait_bytes(self, tail, HEADER_BYTES, budget_ns, yield);
     long outcome = NOTHING_YET;
     if (head - tail < HEADER_BYTES) goto out;
     outcome = NOT_MINE;
-    if (!header_is_mine(self, tail, (uint32_t)tail_ctx_tag[1], tail_ctx_tag[2], (uint64_t)view.len, &nbytes))
+    if (!header_is_mine(self, tail, (uint32_t)ctx_tag[0], ctx_tag[1], (uint64_t)view.len, &nbytes))
         goto out;
     if (head - tail < HEADER_BYTES + nbytes) {
         uint64_t spent = now_ns() - start;

@@ -196,8 +196,9 @@ class ShmChannel(Channel):
         self._peer_closed = peer_closed
         self._chunk = min(chunk, outbound.size // 2)
         self._sends: deque[SendWork] = deque()
-        self._head = 0  # bytes written to the outbound ring (we are its only writer)
-        self._tail = 0  # bytes read from the inbound ring (we are its only reader)
+        # The stream positions live only in the rings' control words (we are the only writer of the outbound
+        # head and of the inbound tail): the lean path's C calls publish them, and no copy here can fall
+        # behind when an exception lands between such a call and the next statement.
         self._header: tuple[int, int, int, int] | None = None  # a header whose receive is not posted yet
         self._recv: RecvWork | None = None
         self._pid = int(peer_card.get("pid", 0))
@@ -220,22 +221,14 @@ class ShmChannel(Channel):
         rings = self._rings
         if rings is None or self._sends:
             return False
-        head = rings.send(self._head, ctx, tag, buf)
-        if head < 0:
-            return False
-        self._head = head
-        return True
+        return rings.send(ctx, tag, buf) >= 0
 
     def recv_now(self, ctx: int, tag: int, buf: Any, spin_ns: int, yields: bool) -> bool:
         """Take the next message of our ring into `buf` if it is (ctx, tag), fits, and comes within the spin."""
         rings = self._rings
         if rings is None or self._recv is not None or self._header is not None:
             return False
-        tail = rings.recv(self._tail, ctx, tag, buf, spin_ns, yields)
-        if tail < 0:
-            return False
-        self._tail = tail
-        return True
+        return rings.recv(ctx, tag, buf, spin_ns, yields) >= 0
 
     # -- outbound --------------------------------------------------------------
 
@@ -248,7 +241,7 @@ class ShmChannel(Channel):
         """Copy queued sends into the peer's ring, as far as space allows."""
         ring = self._out
         size = ring.size
-        head = self._head
+        head = ring.ctl[_HEAD]
         budget = size  # then let the inbound direction have its turn
         moved = False
         sends = self._sends
@@ -274,7 +267,6 @@ class ShmChannel(Channel):
                 send.offset += count
                 budget -= count
             ring.ctl[_HEAD] = head
-            self._head = head
             self._peer_bell.ring()
             moved = True
             if send.offset == send.nbytes:
@@ -287,7 +279,7 @@ class ShmChannel(Channel):
     def _pull(self) -> bool:
         """Copy arrived bytes out of our ring into the receives they belong to."""
         ring = self._in
-        tail = self._tail
+        tail = ring.ctl[_TAIL]
         head = ring.ctl[_HEAD]
         budget = ring.size
         moved = False
@@ -324,14 +316,14 @@ class ShmChannel(Channel):
                     break
             else:
                 self._publish_tail(tail)
-        if tail != self._tail:
+        if tail != ring.ctl[_TAIL]:
             self._publish_tail(tail)
         return moved
 
     def _publish_tail(self, tail: int) -> None:
-        if tail != self._tail:
-            self._tail = tail
-            self._in.ctl[_TAIL] = tail
+        ctl = self._in.ctl
+        if tail != ctl[_TAIL]:
+            ctl[_TAIL] = tail
             self._peer_bell.ring()
 
     # -- Channel interface -------------------------------------------------------
