@@ -273,6 +273,8 @@ class Arena:
             left to the caller; NOT_STARTED: nothing happened (the caller runs the step in Python).
         """
         step = self.step
+        # An exception landing between the kernel's return and the next line leaves self.step behind the
+        # counters; the call then fails, and a failed call makes the dispatcher open a fresh arena.
         state = self.kernel.run(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
                                 self.kernel_yields, want)
         if state:
@@ -287,7 +289,7 @@ class Arena:
             not yet copied out; PUBLISHED: only the first step is (`agree` and the rest are the caller's);
             NOT_STARTED.
         """
-        step = self.step
+        step = self.step  # (an exception right after the kernel's return: as in run_small)
         state = self.kernel.run_split(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
                                       self.kernel_yields, want)
         if state:
