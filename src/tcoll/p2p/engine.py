@@ -37,7 +37,9 @@ from .work import RecvWork, SendWork, Work
 __all__ = ["Engine"]
 
 _POLL_NAP = 50e-6  # seconds a waiter with MPI channels sleeps between polls once its spin budget is spent
-_LEAN_SPIN_S = 20e-6  # the longest a lean receive polls (holding the engine's lock) before the ordinary wait
+# The longest a lean receive polls before the ordinary wait takes over: it holds the engine's lock (the GIL
+# released), so the rank's other threads wait for it meanwhile.
+_LEAN_SPIN_S = 20e-6
 
 
 
@@ -80,11 +82,7 @@ class Engine:
         self._lean_spin()
 
     def _lean_spin(self) -> None:
-        """How long a lean receive polls before the ordinary wait takes over, and whether its polls yield.
-
-        It polls holding the engine's lock (the GIL released), so other threads of the rank wait for it:
-        at most _LEAN_SPIN_S, then the ordinary wait polls on without the lock.
-        """
+        """How long a lean receive polls before the ordinary wait takes over, and whether its polls yield."""
         spin = self.spin
         self.lean_spin_ns = int(min(spin.max_s if spin.oversubscribed else spin.fast_s, _LEAN_SPIN_S) * 1e9)
         self.lean_yields = spin.oversubscribed
