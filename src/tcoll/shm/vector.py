@@ -65,11 +65,13 @@ def all_reduce(arena: Arena, buf: np.ndarray, op: Op) -> None:
     """Shared-memory all_reduce: copy in, each rank reduces its 1/p of every slot, copy out.
 
     Steps: up to 128 KiB (on 2 ranks, up to 16 KiB), one step in which
-    every rank reduces all slots itself; larger, per slot-sized piece: write
-    the piece, publish; reduce this rank's 1/p of it over all slots into
-    this rank's slot of the next step, publish; copy every rank's part out.
-    Memory traffic per rank: n bytes in, n bytes reduced from p inputs / p,
-    n bytes out. Operands in rank order.
+    every rank reduces all slots itself; up to a slot, three steps (write,
+    publish; reduce this rank's 1/p of every slot and copy it over its own
+    part of its slot, publish; copy the other parts out, publish); larger,
+    per slot-sized piece: write the piece, publish; reduce this rank's 1/p
+    of it over all slots into this rank's slot of the next step, publish;
+    copy every rank's part out. Memory traffic per rank: n bytes in, n bytes
+    reduced from p inputs / p, n bytes out. Operands in rank order.
     """
     if 1 < arena.size and one_step(buf.nbytes, arena.size, arena.slot_bytes):
         _reduce_small(arena, buf, op, None)  # the common small call, one Python call sooner
