@@ -465,12 +465,12 @@ def test_the_kernel_keeps_its_mappings_while_it_lives() -> None:
     fake.map.close()  # nothing holds them now
 
 
-def disagreement(comm: tcoll.Communicator, case: str) -> tuple[str, bool]:
+def disagreement(comm: tcoll.Communicator, case: str, count: int = 15000) -> tuple[str, bool]:
     """One call on which rank 0 differs from the others (through the one step, or across its limit), then a
-    right call: (what the differing call raised, or "no error"; whether the next call was right)."""
+    right call: (what the differing call raised, or "no error"; whether the next call was right). 15,000
+    float32 (60 KB) in a 64 KiB slot: one step on 3 ranks, three on 2."""
     _counting(comm)
     first = comm.rank == 0
-    count = 15000  # 60 KB of float32: one step on 3 ranks, three on 2
     if case == "size across the one-step limit":  # 64 KiB slot: one rank's call fits it, the other's does not
         x, op, root = np.ones(16384 if first else 16386, np.float32), "sum", None
     elif case == "size across the split":  # on 2 ranks, one step up to 16 KiB, three steps above
@@ -504,6 +504,18 @@ def test_ranks_that_disagree_in_the_one_step_all_raise(case: str, size: int) -> 
     side of a limit a call falls, get a MismatchError naming the difference on every rank, and the next
     call is right."""
     results = tcoll.spawn(disagreement, size, (case,), timeout=50, transport="shm", shm_slot=SLOT)
+    for rank, (said, after_ok) in enumerate(results):
+        assert "where rank" in said or "disagree" in said, (case, rank, said)
+        assert after_ok, (case, rank)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["dtype", "root", "op"])
+def test_ranks_that_disagree_in_the_three_steps_on_more_ranks_all_raise(case: str) -> None:
+    """The same on 3 ranks, in a call above the one step's 128 KiB that fits a wider slot (three steps)."""
+    results = tcoll.spawn(disagreement, 3, (case, WIDE_SPLIT // 4), timeout=50, transport="shm",
+                          shm_slot=WIDE_SLOT)
     for rank, (said, after_ok) in enumerate(results):
         assert "where rank" in said or "disagree" in said, (case, rank, said)
         assert after_ok, (case, rank)

@@ -63,10 +63,11 @@ _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a ful
 KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
     (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
      np.float16, ml_dtypes.bfloat16))}
-# Steps a run_split took by the state it returns (PUBLISHED, DONE, REDUCED).
-_SPLIT_STEPS_TAKEN = {1: 1, 2: 3, 3: 2}
-_COPY_PIECE = 64 << 10  # the kernel copies in pieces of this size; anything smaller NumPy copies as well
 KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later
+# The steps a run_split took, by the state it returned.
+_SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
+                      if kernel_module is not None else {})
+_COPY_PIECE = 64 << 10  # the kernel copies in pieces of this size; anything smaller NumPy copies as well
 
 
 def kernel_codes(arena: Any, dtype: np.dtype, op: Any) -> tuple[int, int] | None:

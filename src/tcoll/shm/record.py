@@ -17,8 +17,9 @@ byte a rank reads from a slot was written in that slot's step, by ranks
 whose publication of that step the reader waited for, and no rank writes a
 step's slot after publishing the step, but its own slot of the call's first
 step (a reduction's part rewritten in place): a rank that reads such bytes
-must have waited for the writer's next publication. A schedule that breaks this is a
-RuntimeError, so the recorder also tests the algorithms' synchronisation.
+must have waited for the writer's next publication. A schedule that breaks
+this is a RuntimeError, so the recorder also tests the algorithms'
+synchronisation.
 No buffer is lent (the stand-in has no heap): the schedule is that of buffers
 outside shared memory, which go through the slots; a buffer from
 `Communicator.empty` is read in place instead, and the calls large enough to
