@@ -30,6 +30,16 @@ _JOB = """
         connect.exchange_cards = die
     if rank == 2 and where == "connect":
         ShmTransport.connect = TcpTransport.connect = die
+    if rank == 2 and where == "segment":  # its rings go before the others map them, as when its setup fails
+        import tcoll.transport.shm as shm
+        made = shm.new_segment
+
+        def let_go_at_once(*args, **kwargs):
+            segment = made(*args, **kwargs)
+            segment.unlink()
+            return segment
+
+        shm.new_segment = let_go_at_once
     start = time.time()
     try:
         tcoll.init(timeout=60)
@@ -54,3 +64,15 @@ def test_a_rank_killed_during_init_is_named_within_5_s(tmp_path: Path, transport
         assert result["error"] and "rank 2" in result["error"] and "died" in result["error"], result
         assert result["at"] - died < 5.0, f"rank {rank} took {result['at'] - died:.1f} s to notice"
     assert time.time() - died < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_rings_are_gone_is_named(tmp_path: Path) -> None:
+    """A peer's shm segment that vanished before this rank mapped it names that peer, not just a /proc path."""
+    import json
+
+    (tmp_path / "job.py").write_text(textwrap.dedent(_JOB))
+    run_ranks(tmp_path, ["job.py", "segment"], 3, f"gone{os.getpid()}", TCOLL_TRANSPORT="shm")
+    for rank in (0, 1):
+        error = json.loads((tmp_path / f"result.{rank}").read_text())["error"]
+        assert error and "rank 2's shared memory" in error and "rank 2 stopped meeting" in error, error

@@ -532,6 +532,20 @@ def test_torch_store_with_real_torch() -> None:
     store.close()
 
 
+def test_torch_store_wait_ends_when_keys_land_as_torch_times_out() -> None:
+    """A key set between torch's wait timeout and the adapter's look is a finished wait, not an error."""
+
+    class LateKeyStore(FakeTorchStore):
+        def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+            for key in keys:
+                self._inner.set(key, b"late")  # lands just as torch gives up
+            raise RuntimeError("wait timeout after 500ms")
+
+    store = TorchStore(LateKeyStore(), timeout=5)
+    store.wait(["segment/0"], timeout=0.5)
+    assert store.get("segment/0", timeout=0.5) == b"late"
+
+
 def test_torch_store_is_lazy() -> None:
     import subprocess
     import sys

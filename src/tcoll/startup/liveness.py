@@ -106,7 +106,10 @@ class WatchedStore(Store):
                 return
             except TimeoutError:
                 if left <= CHECK_INTERVAL:
-                    raise self._timeout_error([k for k in keys if not self.inner.check([k])], total) from None
+                    missing = [k for k in keys if not self.inner.check([k])]
+                    if not missing:
+                        return  # they landed as the last slice ran out
+                    raise self._timeout_error(missing, total) from None
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         self._sliced([key], timeout)

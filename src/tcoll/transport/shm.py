@@ -142,7 +142,7 @@ class ShmTransport(Transport):
                 if int(peer_ring) != ring:
                     raise TransportError(f"rank {peer} sized its shm rings {peer_ring} B, rank {me} {ring} B; "
                                          "set TCOLL_SHM_RING alike on every rank")
-                self._peers[peer] = Segment.open(peer_path)
+                self._peers[peer] = _open_peer_segment(peer, peer_path)
             store.set(f"mapped/{me}", b"1")
             store.wait([f"mapped/{peer}" for peer in peers], timeout)
         finally:
@@ -180,6 +180,21 @@ class ShmTransport(Transport):
         if self._own is not None:
             self._own.close()
             self._own = None
+
+
+def _open_peer_segment(peer: int, path: str) -> Segment:
+    """Map the rings segment rank `peer` published at `path`.
+
+    Raises:
+        TransportError: it is gone (the peer lets go of it before every rank mapped it only when its own setup
+            failed or it died); names the rank.
+    """
+    try:
+        return Segment.open(path)
+    except TransportError as exc:
+        raise TransportError(f"rank {peer}'s shared memory ({path}) was gone before this rank mapped it: rank "
+                             f"{peer} stopped meeting the others (it failed or exited; its own error says why)"
+                             ) from exc
 
 
 class ShmChannel(Channel):
