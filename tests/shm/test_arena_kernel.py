@@ -200,15 +200,25 @@ def _busy(seconds: float) -> None:
 
 
 def late_peer(comm: tcoll.Communicator, calls: int) -> tuple[bool, dict[int, int]]:
-    """all_reduce where the last rank comes 1 ms late each time (far past the kernel's spin)."""
+    """all_reduce where the last rank comes late (1 ms, far past the kernel's spin) until rank 0 has waited.
+
+    On a loaded host rank 0 may itself be descheduled for longer than the last
+    rank's delay; the delay then doubles (up to 64 ms) until rank 0 saw its
+    kernel hand a wait over, which the ranks agree on after every call.
+    """
     counting = _counting(comm)
-    ok = True
+    ok, delay = True, 0.001
     for call in range(calls):
         if comm.rank == comm.size - 1:
-            _busy(0.001)
+            _busy(delay)
         x = np.full(5, float(comm.rank + call), dtype=np.float64)
         comm.all_reduce(x, algorithm="shm")
         ok &= bool(np.array_equal(x, np.full(5, sum(q + call for q in range(comm.size)), dtype=np.float64)))
+        waited = np.array([counting.states.get(arena_module.kernel_module.PUBLISHED, 0) if comm.rank == 0 else 0])
+        comm.all_reduce(waited, algorithm="ring")  # not through the arena, so not counted
+        if waited[0] >= 3:
+            break
+        delay = min(2 * delay, 0.064)
     return ok, dict(counting.states)
 
 
@@ -216,7 +226,7 @@ def late_peer(comm: tcoll.Communicator, calls: int) -> tuple[bool, dict[int, int
 @pytest.mark.timeout(60)
 def test_a_late_peer_hands_the_wait_to_python() -> None:
     """The early ranks publish in C and wait in Python (PUBLISHED); results stay right."""
-    results = tcoll.spawn(late_peer, 3, (20,), timeout=50, transport="shm")
+    results = tcoll.spawn(late_peer, 3, (40,), timeout=50, transport="shm")
     assert all(ok for ok, _ in results), results
     assert results[0][1].get(arena_module.kernel_module.PUBLISHED, 0) > 0, results
 
