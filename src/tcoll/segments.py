@@ -3,7 +3,8 @@
 The shm transport's rings, a communicator's collective arena and the zero-copy
 buffers of `Communicator.empty` are memfds named ``tcoll-<run id>-<rank>-<token>``,
 which the other ranks open through /proc/<pid>/fd, so a killed rank leaves
-nothing behind. Only where the ranks of a host see different pid namespaces
+nothing behind; they check the file they opened is the memfd of that name (a
+number its owner let go of may name another file since). Only where the ranks of a host see different pid namespaces
 are they files of that name in /dev/shm, unlinked as soon as every rank has
 mapped them (rings, arena) or freed (buffers), and swept by the launchers. One convention, one way to create
 and map them, and one sweep, which `tcoll run` and `tcoll.spawn` use to
@@ -111,19 +112,27 @@ class Segment:
             os.close(fd)
             raise TransportError(f"cannot allocate {size} B of shared memory for {name}: {exc}"
                                  + (f"; {hint}" if hint else "")) from exc
-        segment.fd = fd
+        segment.fd, segment.name = fd, name
         return segment
 
     @classmethod
-    def open(cls, path: str) -> Segment:
+    def open(cls, path: str, name: str | None = None) -> Segment:
         """Map the whole file at `path`, made by another rank.
 
+        Args:
+            path: a file in /dev/shm, or a memfd's /proc/<pid>/fd/<fd>.
+            name: the memfd's name, for a /proc path: the file opened must be
+                that memfd. Once its owner let go of it, the fd number may name
+                another file of that process, which must never be mapped instead.
+
         Raises:
-            TransportError: the file is gone or cannot be mapped.
+            TransportError: the file is gone, is not the memfd `name`, or cannot be mapped.
         """
         try:
             fd = os.open(path, os.O_RDWR)
             try:
+                if name is not None and path.startswith("/proc/"):
+                    _check_is_memfd(fd, path, name)
                 size = os.fstat(fd).st_size
                 return cls(path, size, _map(fd, size))
             finally:
@@ -132,6 +141,7 @@ class Segment:
             raise TransportError(f"cannot map {path}: {exc}") from exc
 
     fd: int | None = None  # the memfd a `create_anonymous` segment holds open for its readers
+    name: str | None = None  # its name, which readers pass to `open` (None: a file, named by its path)
 
     def unlink(self) -> None:
         """Remove the file (or let go of the memfd); the mapping stays valid, and so do other ranks'."""
@@ -168,6 +178,14 @@ def new_segment(name: str, size: int, *, anonymous: bool, hint: str = "") -> Seg
 def anonymous_link(name: str) -> str:
     """What /proc/<pid>/fd/<n> reads as for the memfd called `name`."""
     return f"/memfd:{name} (deleted)"
+
+
+def _check_is_memfd(fd: int, path: str, name: str) -> None:
+    """Raise unless `fd` (opened through `path`) is the memfd called `name`."""
+    actual = os.readlink(f"/proc/self/fd/{fd}")
+    if actual != anonymous_link(name):
+        raise TransportError(f"cannot map {path}: it no longer holds the memory file {name} (its owner let go of "
+                             f"it; the number now names {actual})")
 
 
 def find_anonymous(pid: int, name: str) -> str | None:

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import tcoll
+from tcoll import segments
 from tcoll.algos import stamps
 from tcoll.errors import MismatchError, TimeoutError
+from tcoll.segments import Segment
 from tcoll.shm import arena as arena_module
 
 
@@ -115,9 +117,15 @@ def test_a_wait_that_times_out_names_the_lagging_rank() -> None:
 
 
 def test_addresses_round_trip_and_an_empty_one_means_failure() -> None:
-    encoded = arena_module.encode_address(1 << 20, "/dev/shm/tcoll-x-0-arenaabc")
+    named = Segment("/dev/shm/tcoll-x-0-arenaabc", 0, None)
+    encoded = arena_module.encode_address(1 << 20, named)
     assert encoded.size == arena_module.ADDRESS_BYTES
-    assert arena_module.decode_address(encoded) == (1 << 20, "/dev/shm/tcoll-x-0-arenaabc")
+    assert arena_module.decode_address(encoded) == (1 << 20, "/dev/shm/tcoll-x-0-arenaabc", None)
+    # the longest: a 64-character run id, a memfd's /proc path and its name
+    memfd = Segment(f"/proc/{2**22}/fd/1048576", 0, None)
+    memfd.name = segments.segment_name("r" * 64, 4095, "arena" + "f" * 12)
+    found = arena_module.decode_address(arena_module.encode_address(1 << 40, memfd))
+    assert found == (1 << 40, memfd.path, memfd.name)
     assert arena_module.decode_address(np.zeros(arena_module.ADDRESS_BYTES, dtype=np.uint8)) is None
 
 

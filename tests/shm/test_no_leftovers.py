@@ -78,7 +78,7 @@ _KILLED_OPENING = """
 
         dispatch.create_segment = create_and_tell
     else:
-        def kill_instead(path):
+        def kill_instead(path, name):
             os.kill(int(open("created").read()), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -95,3 +95,22 @@ def test_kill9_while_the_arena_opens_leaves_nothing(tmp_path: Path) -> None:
     assert codes == [-signal.SIGKILL] * 2
     assert (tmp_path / "created").exists()
     assert shm_segments(run_id) == []
+
+
+def test_a_memfd_let_go_is_never_mapped_through_its_reused_number() -> None:
+    """/proc/<pid>/fd/<n> of a memfd its owner closed may name the next file opened: open refuses it by name."""
+    from tcoll.segments import Segment
+
+    first = Segment.create_anonymous(f"tcoll-reuse{os.getpid()}-0-first", 4096)
+    path, name = first.path, first.name
+    first.unlink()  # its number is free now...
+    second = Segment.create_anonymous(f"tcoll-reuse{os.getpid()}-0-second", 8192)
+    try:
+        assert second.path == path  # ...and the next memfd got it (the lowest free number)
+        with pytest.raises(TransportError, match="no longer holds the memory file"):
+            Segment.open(path, name)
+        assert Segment.open(second.path, second.name).size == 8192
+    finally:
+        second.unlink()
+        first.close()
+        second.close()

@@ -403,7 +403,7 @@ class Dispatcher:
             slot = agreed_slot(self.engine.settings.shm_slot, self.size)
             try:
                 segment = create_segment(self.run_id, self.engine.rank, self.size, slot, self.engine.host_shares_pids)
-                address = encode_address(slot, segment.path)
+                address = encode_address(slot, segment)
             except TransportError as exc:
                 failure = exc  # the others learn it from the empty address
         try:
@@ -415,9 +415,9 @@ class Dispatcher:
             found = decode_address(address)
             if found is None:
                 raise TransportError("rank 0 could not create the shared-memory collective arena")
-            slot, path = found
+            slot, path, name = found
             if segment is None:
-                segment = open_segment(path)
+                segment = open_segment(path, name)
             self._arena_barrier(team, opening, running)
         finally:
             if self.rank == 0 and segment is not None:

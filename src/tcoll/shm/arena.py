@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from ..algos.stamps import describe, disagreement
-from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError
+from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError
 from ..p2p import notice
 from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
@@ -56,7 +56,7 @@ _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress 
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
 _DESC_WORDS = 8  # per rank and set: call stamp (2 words), sequence, zero-copy buffer (heap id, offset, nbytes)
 _WORD = (1 << 64) - 1
-ADDRESS_BYTES = 128  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>"
+ADDRESS_BYTES = 256  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>:<memfd name>"
 _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
 # What the C kernel reduces (codes of _arena_kernel.c); anything else is reduced in Python.
@@ -456,27 +456,29 @@ def create_segment(run_id: str, world_rank: int, size: int, slot: int, anonymous
     return new_segment(name, arena_bytes(size, slot), anonymous=anonymous, hint=_HINT)
 
 
-def open_segment(path: str) -> Segment:
-    """Map the segment of an arena that rank 0 created.
+def open_segment(path: str, name: str | None) -> Segment:
+    """Map the segment of an arena that rank 0 created (`name`: its memfd's name, None for a file).
 
     Raises:
-        TransportError: it cannot be mapped.
+        TransportError: it cannot be mapped, or its /proc path no longer holds that memfd.
     """
-    return Segment.open(path)
+    return Segment.open(path, name)
 
 
-def encode_address(slot: int, path: str) -> np.ndarray:
-    """The ADDRESS_BYTES rank 0 broadcasts: its slot size and the segment's path (all zero: it failed)."""
+def encode_address(slot: int, segment: Segment) -> np.ndarray:
+    """The ADDRESS_BYTES rank 0 broadcasts: slot size, path and memfd name of `segment` (all zero: it failed)."""
     out = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
-    encoded = f"{slot}:{path}".encode()
+    encoded = f"{slot}:{segment.path}:{segment.name or ''}".encode()
+    if len(encoded) > ADDRESS_BYTES:
+        raise TransportError(f"the arena's address {encoded!r} exceeds {ADDRESS_BYTES} bytes")
     out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
     return out
 
 
-def decode_address(address: np.ndarray) -> tuple[int, str] | None:
-    """(slot, path) from what encode_address made, or None if rank 0 could not create the segment."""
+def decode_address(address: np.ndarray) -> tuple[int, str, str | None] | None:
+    """(slot, path, memfd name or None) from what encode_address made, or None if rank 0 could not create it."""
     text = bytes(address).rstrip(b"\0").decode()
     if not text:
         return None
-    slot, _, path = text.partition(":")
-    return int(slot), path
+    slot, path, name = text.split(":")  # names and paths are made of run ids, which hold no ':'
+    return int(slot), path, name or None

@@ -149,12 +149,14 @@ class Heap:
             return False
 
     def _map_peer(self, world_rank: int, heap_id: int) -> np.ndarray:
+        name = self._name(world_rank, heap_id)
         if self._anonymous:
-            path = find_anonymous(heap_id >> _PID_SHIFT, self._name(world_rank, heap_id)) or ""
+            path = find_anonymous(heap_id >> _PID_SHIFT, name) or ""
         else:
             path = self._path(world_rank, heap_id)
         try:
-            segment = Segment.open(path or self._name(world_rank, heap_id))
+            # the name again: the fd find_anonymous saw may be freed and its number reused before we open it
+            segment = Segment.open(path or name, name)
         except TransportError as exc:
             raise TransportError(f"rank {world_rank}'s shared buffer {heap_id} cannot be mapped "
                                  f"(freed, or its process is gone): {exc}") from exc

@@ -20,6 +20,7 @@ kill -9 after setup leaves nothing in /dev/shm; the launchers also remove
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import platform
@@ -136,13 +137,11 @@ class ShmTransport(Transport):
         try:
             # One inbound ring per peer, in the order of the peers' ranks.
             self._own = new_segment(name, _CONTROL + stride * len(peers), anonymous=anonymous, hint=_HINT)
-            store.set(f"segment/{me}", f"{self._own.path}:{ring}".encode())
+            store.set(f"segment/{me}", json.dumps({"path": self._own.path, "name": self._own.name,
+                                                    "ring": ring}).encode())
             for peer in peers:
-                peer_path, _, peer_ring = store.get(f"segment/{peer}", timeout).decode().rpartition(":")
-                if int(peer_ring) != ring:
-                    raise TransportError(f"rank {peer} sized its shm rings {peer_ring} B, rank {me} {ring} B; "
-                                         "set TCOLL_SHM_RING alike on every rank")
-                self._peers[peer] = _open_peer_segment(peer, peer_path)
+                self._peers[peer] = _open_peer_segment(me, peer, json.loads(store.get(f"segment/{peer}", timeout)),
+                                                       ring)
             store.set(f"mapped/{me}", b"1")
             store.wait([f"mapped/{peer}" for peer in peers], timeout)
         finally:
@@ -182,19 +181,24 @@ class ShmTransport(Transport):
             self._own = None
 
 
-def _open_peer_segment(peer: int, path: str) -> Segment:
-    """Map the rings segment rank `peer` published at `path`.
+def _open_peer_segment(me: int, peer: int, published: dict[str, Any], ring: int) -> Segment:
+    """Map the rings segment rank `peer` published (its path, memfd name and ring size).
 
     Raises:
-        TransportError: it is gone (the peer lets go of it before every rank mapped it only when its own setup
+        TransportError: its rings are sized unlike ours; or it is gone (the peer
+            lets go of it before every rank mapped it only when its own setup
             failed or it died); names the rank.
     """
+    if published["ring"] != ring:
+        raise TransportError(f"rank {peer} sized its shm rings {published['ring']} B, rank {me} {ring} B; "
+                             "set TCOLL_SHM_RING alike on every rank")
+    path = published["path"]
     try:
-        return Segment.open(path)
+        return Segment.open(path, published["name"])
     except TransportError as exc:
-        raise TransportError(f"rank {peer}'s shared memory ({path}) was gone before this rank mapped it: rank "
-                             f"{peer} stopped meeting the others (it failed or exited; its own error says why)"
-                             ) from exc
+        raise TransportError(f"rank {peer}'s shared memory ({path}) was gone before rank {me} mapped it: rank "
+                             f"{peer} stopped meeting the others (it failed or exited; its own error says why): "
+                             f"{exc}") from exc
 
 
 class ShmChannel(Channel):
