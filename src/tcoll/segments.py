@@ -3,10 +3,11 @@
 The shm transport's rings, a communicator's collective arena and the zero-copy
 buffers of `Communicator.empty` are memfds named ``tcoll-<run id>-<rank>-<token>``,
 which the other ranks open through /proc/<pid>/fd, so a killed rank leaves
-nothing behind; they check the file they opened is the memfd of that name (a
-number its owner let go of may name another file since). Only where the ranks of a host see different pid namespaces
-are they files of that name in /dev/shm, unlinked as soon as every rank has
-mapped them (rings, arena) or freed (buffers), and swept by the launchers. One convention, one way to create
+nothing behind; they check that the file they opened is the memfd of that name
+(a number its owner let go of may name another file since). Only where the
+ranks of a host see different pid namespaces are they files of that name in
+/dev/shm, unlinked as soon as every rank has mapped them (rings, arena) or
+freed (buffers), and swept by the launchers. One convention, one way to create
 and map them, and one sweep, which `tcoll run` and `tcoll.spawn` use to
 remove what a finished run left behind.
 """
