@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tcoll.buffers import as_array, as_bytes, empty_like_kind, is_torch
+from tcoll.buffers import as_array, as_bytes, empty_like_kind, exported, is_torch
 
 
 def test_numpy_views_share_memory() -> None:
@@ -131,3 +131,36 @@ def test_legacy_dlpack_receive_through_a_communicator() -> None:
     import tcoll
 
     assert tcoll.spawn(legacy_receive, 2, threads=True, timeout=30) == [True, True]
+
+
+def _exports(view: Any) -> bool:
+    try:
+        memoryview(view)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def test_exported_views_share_memory_and_export_it() -> None:
+    """What the lean send and receive pass to their C calls: the same memory, with the buffer protocol."""
+    plain = np.arange(6, dtype=np.float32)
+    assert exported(plain) is plain and exported(b"ab") == b"ab"
+    for arr in [np.arange(6).astype(ml_dtypes.bfloat16), np.array(1.5, dtype=ml_dtypes.bfloat16)]:
+        view = exported(arr)
+        assert _exports(view) and np.shares_memory(view, arr) and view.nbytes == arr.nbytes
+        assert bytes(view) == arr.tobytes()
+    fortran = np.asfortranarray(np.ones((3, 4), dtype=ml_dtypes.bfloat16))
+    assert exported(fortran) is fortran  # left to the ordinary path, which copies its bytes in order
+
+
+def test_exported_tensors_share_memory_and_odd_ones_are_left_as_they_are() -> None:
+    torch = pytest.importorskip("torch")
+    for tensor in [torch.arange(6, dtype=torch.float32), torch.arange(6).to(torch.bfloat16),
+                   torch.ones(3, requires_grad=True), torch.zeros(0), torch.tensor([True, False])]:
+        view = exported(tensor)
+        assert _exports(view) and view.nbytes == tensor.nbytes
+        assert bytes(view) == bytes(tensor.detach().view(torch.uint8).numpy())
+        if tensor.numel():
+            assert view.ctypes.data == tensor.data_ptr()
+    for odd in [torch.arange(6.0)[::2], torch.tensor([1 + 2j]).conj()]:
+        assert exported(odd) is odd  # not contiguous, or a lazy conjugate: the ordinary path's checks

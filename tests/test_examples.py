@@ -193,3 +193,19 @@ def test_heat_example(nprocs: int) -> None:
     result = _run_own(nprocs, "examples/heat.py", "--points", "101", "--steps", "1500")
     assert result.returncode == 0, result.stderr
     assert f"on {nprocs} rank(s): matches one process exactly" in result.stdout, result.stdout
+
+
+# -- benchmarks/*.py that the docs quote: they run, and print every row --------------------------
+
+
+@pytest.mark.timeout(120)
+def test_call_profile_and_p2p_buffers_benchmarks_run() -> None:
+    """benchmarks/call_profile.py and p2p_buffers.py, cut short (their tables are in docs/performance.md)."""
+    result = _run_own(2, "benchmarks/p2p_buffers.py", "--trips", "200", "--rounds", "1")
+    assert result.returncode == 0, result.stderr
+    for kind in ["numpy float32", "numpy bfloat16", "bytearray", "torch float32", "torch bfloat16"]:
+        assert f"| {kind} | " in result.stdout, result.stdout
+    result = _run_own(2, "benchmarks/call_profile.py", "--calls", "50")
+    assert result.returncode == 0, result.stderr
+    for what in ["p2p send+recv:", "all_reduce:", "all_reduce plan:"]:
+        assert what in result.stdout, result.stdout

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_bytes", "as_array", "empty_like_kind", "is_torch"]
+__all__ = ["as_bytes", "as_array", "empty_like_kind", "is_torch", "exported"]
 
 _U8 = np.dtype(np.uint8)
 
@@ -113,6 +113,37 @@ def _torch_to_ndarray(tensor: Any, what: str) -> np.ndarray:
     # Tensor.numpy() refuses; it shares memory with the tensor.
     return flat.view(torch.uint8).numpy()
 
+
+
+def exported(obj: Any) -> Any:
+    """`obj` in a form that exports its memory through the buffer protocol, cheaply and with no copy.
+
+    For the lean blocking send and receive, whose C calls take only such
+    objects: NumPy arrays of NumPy's own dtypes and bytes-likes as they are; a
+    C-contiguous array of another dtype (ml_dtypes' bfloat16) as its bytes; a
+    contiguous CPU tensor as a NumPy view of its memory. Anything else comes
+    back as it is, for the ordinary path, whose checks say what is wrong with it.
+    """
+    kind = type(obj)
+    if kind is np.ndarray:
+        return obj if obj.dtype.isbuiltin == 1 or not obj.flags.c_contiguous else obj.reshape(-1).view(_U8)
+    if kind.__module__.startswith("torch") and getattr(obj, "is_cpu", False) and obj.is_contiguous():
+        numpy_dtypes, uint8 = _torch_views()
+        try:
+            flat = obj.detach() if obj.requires_grad else obj
+            return flat.numpy() if flat.dtype in numpy_dtypes else flat.view(uint8).numpy()
+        except (RuntimeError, TypeError):  # a view torch will not give (a conjugate bit, say): the ordinary path
+            return obj
+    return obj
+
+
+@functools.cache
+def _torch_views() -> tuple[frozenset[Any], Any]:
+    """The torch dtypes Tensor.numpy() takes, and torch.uint8 (asked only once a tensor came: torch is loaded)."""
+    import torch
+
+    return frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                      torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128}), torch.uint8
 
 
 def is_torch(obj: Any) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -29,6 +30,7 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="the ring kernel was no
 
 SIZE = 4096
 CTX, TAG = 4, 9
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 class Pair:
@@ -314,6 +316,62 @@ def test_the_lean_path_serves_blocking_calls_unless_turned_off() -> None:
     taken = _spawn(engine_calls, 2, "auto")
     assert max(taken) <= 25, taken  # most go lean; a receive whose message comes after the lean spin does not
     assert _spawn(engine_calls, 2, "off") == [100, 100]
+
+
+BUFFER_KINDS = ["numpy-bfloat16", "torch", "torch-bfloat16", "torch-requires-grad"]
+
+
+def _buffer(kind: str, value: int):
+    """Four elements equal to `value`, of `kind` (what a user may pass to send and recv)."""
+    if kind.startswith("torch"):
+        import torch
+
+        dtype = torch.bfloat16 if kind == "torch-bfloat16" else torch.float32
+        return torch.full((4,), float(value), dtype=dtype, requires_grad=kind == "torch-requires-grad")
+    return np.full(4, value, dtype=BFLOAT16)
+
+
+def _values(buf) -> list[float]:
+    return [float(v) for v in (buf.detach().float() if hasattr(buf, "detach") else buf.astype(np.float64))]
+
+
+def burst_calls(comm: tcoll.Communicator, kind: str, count: int) -> tuple[int, bool]:
+    """Rank 0 sends `count` buffers of `kind`, rank 1 receives them once all are in its ring, then the other
+    way: how many sends and receives went through the engine's isend/irecv, and whether all arrived right."""
+    comm.barrier()  # (its first call sets up the arena, through the engine)
+    engine, counted = comm._engine, [0]
+    isend, irecv = engine.isend, engine.irecv
+
+    def counting(post):
+        def call(*args, **kwargs):
+            counted[0] += 1
+            return post(*args, **kwargs)
+        return call
+
+    engine.isend, engine.irecv = counting(isend), counting(irecv)
+    peer, buf, right = 1 - comm.rank, _buffer(kind, -1), True
+    inbound = engine.channels[peer]._in
+    for sender in (0, 1):
+        if comm.rank == sender:
+            for i in range(count):
+                comm.send(_buffer(kind, i), peer, 5)
+        else:
+            while inbound.ctl[shm._HEAD] - inbound.ctl[shm._TAIL] < count * (HEADER.size + buf.nbytes):
+                pass  # every message is in the ring: each receive finds its message at once
+            for i in range(count):
+                right &= _values(comm.recv(buf, peer, 5)) == [i] * 4
+    return counted[0], right
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", BUFFER_KINDS)
+def test_tensors_and_bfloat16_arrays_go_lean_as_views_of_their_memory(kind: str) -> None:
+    """A CPU tensor or bfloat16 array is sent and received through the kernel, byte for byte."""
+    if kind.startswith("torch"):
+        pytest.importorskip("torch")
+    assert _spawn(burst_calls, 2, "auto", kind, 40) == [(0, True), (0, True)]
+    assert _spawn(burst_calls, 2, "off", kind, 40) == [(80, True), (80, True)]
 
 
 class Interrupted(Exception):

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import as_bytes
+from ..buffers import as_bytes, exported
 from ..errors import TcollError
 from ..p2p.engine import Engine
 from ..p2p.work import Work
@@ -198,8 +198,12 @@ class Communicator:
         is queued before it (the lean path, with no Work); anything else goes through isend.
         """
         if (type(dst) is int and type(tag) is int and 0 <= dst < self.size and 0 <= tag <= MAX_TAG
-                and not self._closed and self._engine.send_now(buf, self._world[dst], self._p2p_ctx, tag)):
-            return
+                and not self._closed):
+            engine, peer, ctx = self._engine, self._world[dst], self._p2p_ctx
+            # a buffer that exports its memory goes as it is; a tensor or bfloat16 array as a view of its memory
+            if engine.send_now(buf, peer, ctx, tag) or (
+                    (view := exported(buf)) is not buf and engine.send_now(view, peer, ctx, tag)):
+                return
         self.isend(buf, dst, tag).wait(self.timeout if timeout is None else timeout)
 
     def recv(self, buf: Any, src: int, tag: int = 0, timeout: float | None = None) -> Any:
@@ -211,8 +215,12 @@ class Communicator:
         taken straight from the ring (the lean path, with no Work).
         """
         if (type(src) is int and type(tag) is int and 0 <= src < self.size and 0 <= tag <= MAX_TAG
-                and not self._closed and self._engine.recv_now(buf, self._world[src], self._p2p_ctx, tag)):
-            return buf
+                and not self._closed):
+            engine, peer, ctx = self._engine, self._world[src], self._p2p_ctx
+            # the kernel refuses a tensor before it polls; it then takes a view of the tensor's memory
+            if engine.recv_now(buf, peer, ctx, tag) or (
+                    (view := exported(buf)) is not buf and engine.recv_now(view, peer, ctx, tag)):
+                return buf
         work = self.irecv(buf, src, tag)
         try:
             return work.wait(self.timeout if timeout is None else timeout)

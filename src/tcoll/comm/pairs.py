@@ -91,8 +91,8 @@ def sendrecv(comm: Communicator, sendbuf: Any, dst: int, recvbuf: Any, src: int,
     check_peer(dst, comm.size, "dst")
     check_tag(sendtag)
     source_of(comm, src, recvtag)
-    as_bytes(sendbuf, writable=False, what="send buffer")  # checked before the receive is posted
-    if not async_op and _sent_at_once(comm, sendbuf, dst, sendtag, recvbuf):
+    outgoing = as_bytes(sendbuf, writable=False, what="send buffer")  # checked before the receive is posted
+    if not async_op and _sent_at_once(comm, outgoing, dst, sendtag, recvbuf):
         return comm.recv(recvbuf, src, recvtag, timeout)  # the send is complete: no deadlock is possible
     recv = comm.irecv(recvbuf, src, recvtag)
     return _pair(comm, recv, _send(comm, recv, sendbuf, dst, sendtag), recvbuf, "sendrecv", async_op, timeout)
@@ -119,14 +119,14 @@ def sendrecv_replace(comm: Communicator, buf: Any, dst: int, src: int, sendtag: 
     return _pair(comm, recv, _send(comm, recv, outgoing, dst, sendtag), buf, "sendrecv_replace", async_op, timeout)
 
 
-def _sent_at_once(comm: Communicator, sendbuf: Any, dst: int, tag: int, recvbuf: Any) -> bool:
-    """Send through the lean path (a small message to a peer on this host, nothing queued before it), once
-    the receive buffer is known to be good: True if sent, complete."""
+def _sent_at_once(comm: Communicator, outgoing: np.ndarray, dst: int, tag: int, recvbuf: Any) -> bool:
+    """Send `outgoing` (the send buffer's bytes) through the lean path (a small message to a peer on this
+    host, nothing queued before it), once the receive buffer is known to be good: True if sent, complete."""
     if comm._engine.lean[comm._world[dst]] is None:
         return False
     comm._check_open()
     as_bytes(recvbuf, writable=True, what="receive buffer")  # a bad one raises before anything is sent
-    return comm._engine.send_now(sendbuf, comm._world[dst], comm._p2p_ctx, tag)
+    return comm._engine.send_now(outgoing, comm._world[dst], comm._p2p_ctx, tag)
 
 
 def _send(comm: Communicator, recv: Work, buf: Any, dst: int, tag: int) -> Work:
