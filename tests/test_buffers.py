@@ -162,5 +162,6 @@ def test_exported_tensors_share_memory_and_odd_ones_are_left_as_they_are() -> No
         assert bytes(view) == bytes(tensor.detach().view(torch.uint8).numpy())
         if tensor.numel():
             assert view.ctypes.data == tensor.data_ptr()
-    for odd in [torch.arange(6.0)[::2], torch.tensor([1 + 2j]).conj()]:
-        assert exported(odd) is odd  # not contiguous, or a lazy conjugate: the ordinary path's checks
+    sparse = torch.ones(2, 2).to_sparse_csr()
+    for odd in [torch.arange(6.0)[::2], torch.tensor([1 + 2j]).conj(), sparse, torch.ones(2).to_sparse()]:
+        assert exported(odd) is odd  # not contiguous, a lazy conjugate, sparse: the ordinary path's checks

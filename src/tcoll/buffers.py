@@ -127,9 +127,11 @@ def exported(obj: Any) -> Any:
     kind = type(obj)
     if kind is np.ndarray:
         return obj if obj.dtype.isbuiltin == 1 or not obj.flags.c_contiguous else obj.reshape(-1).view(_U8)
-    if kind.__module__.startswith("torch") and getattr(obj, "is_cpu", False) and obj.is_contiguous():
+    if kind.__module__.startswith("torch") and getattr(obj, "is_cpu", False):
         numpy_dtypes, uint8 = _torch_views()
         try:
+            if not obj.is_contiguous():  # (sparse layouts raise here)
+                return obj
             flat = obj.detach() if obj.requires_grad else obj
             return flat.numpy() if flat.dtype in numpy_dtypes else flat.view(uint8).numpy()
         except (RuntimeError, TypeError):  # a view torch will not give (a conjugate bit, say): the ordinary path
