@@ -149,6 +149,11 @@ def test_exported_views_share_memory_and_export_it() -> None:
         view = exported(arr)
         assert _exports(view) and np.shares_memory(view, arr) and view.nbytes == arr.nbytes
         assert bytes(view) == arr.tobytes()
+    for arr in [np.zeros(2, dtype="datetime64[s]"), np.zeros(2, dtype="timedelta64[ms]")]:
+        view = exported(arr)
+        assert _exports(view) and np.shares_memory(view, arr) and view.nbytes == arr.nbytes
+    objects = np.zeros(2, dtype=[("a", object), ("b", "i4")])
+    assert exported(objects) is objects  # the ordinary path refuses it by name
     fortran = np.asfortranarray(np.ones((3, 4), dtype=ml_dtypes.bfloat16))
     assert exported(fortran) is fortran  # left to the ordinary path, which copies its bytes in order
 

@@ -125,8 +125,11 @@ def exported(obj: Any) -> Any:
     back as it is, for the ordinary path, whose checks say what is wrong with it.
     """
     kind = type(obj)
-    if kind is np.ndarray:
-        return obj if obj.dtype.isbuiltin == 1 or not obj.flags.c_contiguous else obj.reshape(-1).view(_U8)
+    if kind is np.ndarray:  # NumPy cannot export another library's dtype (isbuiltin 2) nor datetimes
+        dtype = obj.dtype
+        if (dtype.isbuiltin == 2 or dtype.kind in "Mm") and not dtype.hasobject and obj.flags.c_contiguous:
+            return obj.reshape(-1).view(_U8)
+        return obj
     if kind.__module__.startswith("torch") and getattr(obj, "is_cpu", False):
         numpy_dtypes, uint8 = _torch_views()
         try:

@@ -14,13 +14,14 @@ remove what a finished run left behind.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 
 from .errors import TransportError
 
-__all__ = ["SHM_DIR", "Segment", "segment_name", "new_segment", "unlink", "remove_shm_segments", "find_anonymous",
-           "anonymous_link"]
+__all__ = ["SHM_DIR", "Segment", "SegmentGoneError", "segment_name", "new_segment", "unlink",
+           "remove_shm_segments", "find_anonymous", "anonymous_link"]
 
 SHM_DIR = "/dev/shm"
 
@@ -127,10 +128,12 @@ class Segment:
                 another file of that process, which must never be mapped instead.
 
         Raises:
-            TransportError: the file is gone, is not the memfd `name`, or cannot be mapped.
+            SegmentGoneError: the file is gone, or is no longer the memfd `name`.
+        TransportError: it cannot be opened or mapped (permissions, memory).
         """
         try:
-            fd = os.open(path, os.O_RDWR)
+            # (no controlling terminal, no blocking: a reused number may name a tty or a FIFO, refused below)
+            fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
             try:
                 if name is not None and path.startswith("/proc/"):
                     _check_is_memfd(fd, path, name)
@@ -139,7 +142,8 @@ class Segment:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise TransportError(f"cannot map {path}: {exc}") from exc
+            gone = exc.errno in (errno.ENOENT, errno.ENXIO)
+            raise (SegmentGoneError if gone else TransportError)(f"cannot map {path}: {exc}") from exc
 
     fd: int | None = None  # the memfd a `create_anonymous` segment holds open for its readers
     name: str | None = None  # its name, which readers pass to `open` (None: a file, named by its path)
@@ -181,11 +185,15 @@ def anonymous_link(name: str) -> str:
     return f"/memfd:{name} (deleted)"
 
 
+class SegmentGoneError(TransportError):
+    """A segment's file is gone: its owner let go of it (it does so early only when its setup failed)."""
+
+
 def _check_is_memfd(fd: int, path: str, name: str) -> None:
-    """Raise unless `fd` (opened through `path`) is the memfd called `name`."""
+    """Raise SegmentGoneError unless `fd` (opened through `path`) is the memfd called `name`."""
     actual = os.readlink(f"/proc/self/fd/{fd}")
     if actual != anonymous_link(name):
-        raise TransportError(f"cannot map {path}: it no longer holds the memory file {name} (its owner let go of "
+        raise SegmentGoneError(f"cannot map {path}: it no longer holds the memory file {name} (its owner let go of "
                              f"it; the number now names {actual})")
 
 

@@ -99,18 +99,33 @@ def test_kill9_while_the_arena_opens_leaves_nothing(tmp_path: Path) -> None:
 
 def test_a_memfd_let_go_is_never_mapped_through_its_reused_number() -> None:
     """/proc/<pid>/fd/<n> of a memfd its owner closed may name the next file opened: open refuses it by name."""
-    from tcoll.segments import Segment
+    from tcoll.segments import Segment, SegmentGoneError
 
     first = Segment.create_anonymous(f"tcoll-reuse{os.getpid()}-0-first", 4096)
     path, name = first.path, first.name
+    number = first.fd
     first.unlink()  # its number is free now...
     second = Segment.create_anonymous(f"tcoll-reuse{os.getpid()}-0-second", 8192)
+    if second.fd != number:  # ...and names another memfd (the next file opened got it, or is made to)
+        os.dup2(second.fd, number)
     try:
-        assert second.path == path  # ...and the next memfd got it (the lowest free number)
-        with pytest.raises(TransportError, match="no longer holds the memory file"):
+        with pytest.raises(SegmentGoneError, match="no longer holds the memory file"):
             Segment.open(path, name)
-        assert Segment.open(second.path, second.name).size == 8192
+        assert Segment.open(path, second.name).size == 8192
     finally:
+        if second.fd != number:
+            os.close(number)
         second.unlink()
         first.close()
         second.close()
+
+
+def test_a_segment_gone_is_told_from_one_that_cannot_be_mapped(tmp_path: Path) -> None:
+    """Only a missing file (or a reused number) reads as gone; other failures keep their own cause."""
+    from tcoll.segments import Segment, SegmentGoneError
+
+    with pytest.raises(SegmentGoneError, match="No such file"):
+        Segment.open(str(tmp_path / "absent"))
+    with pytest.raises(TransportError, match="Is a directory") as info:
+        Segment.open(str(tmp_path))
+    assert not isinstance(info.value, SegmentGoneError)

@@ -201,8 +201,9 @@ class Communicator:
                 and not self._closed):
             engine, peer, ctx = self._engine, self._world[dst], self._p2p_ctx
             # a buffer that exports its memory goes as it is; a tensor or bfloat16 array as a view of its memory
-            if engine.send_now(buf, peer, ctx, tag) or (
-                    (view := exported(buf)) is not buf and engine.send_now(view, peer, ctx, tag)):
+            if engine.send_now(buf, peer, ctx, tag) or (engine.lean[peer] is not None
+                                                        and (view := exported(buf)) is not buf
+                                                        and engine.send_now(view, peer, ctx, tag)):
                 return
         self.isend(buf, dst, tag).wait(self.timeout if timeout is None else timeout)
 
@@ -218,8 +219,9 @@ class Communicator:
                 and not self._closed):
             engine, peer, ctx = self._engine, self._world[src], self._p2p_ctx
             # the kernel refuses a tensor before it polls; it then takes a view of the tensor's memory
-            if engine.recv_now(buf, peer, ctx, tag) or (
-                    (view := exported(buf)) is not buf and engine.recv_now(view, peer, ctx, tag)):
+            if engine.recv_now(buf, peer, ctx, tag) or (engine.lean[peer] is not None
+                                                        and (view := exported(buf)) is not buf
+                                                        and engine.recv_now(view, peer, ctx, tag)):
                 return buf
         work = self.irecv(buf, src, tag)
         try:

@@ -35,7 +35,7 @@ from ..p2p.hosts import host_identity
 from ..p2p.channel import HEADER, MAGIC, Channel, pack_header, unpack_header
 from ..p2p.waiting import FUTEX_AVAILABLE, Doorbell
 from ..p2p.work import RecvWork, SendWork, Work
-from ..segments import SHM_DIR, Segment, new_segment, segment_name
+from ..segments import SHM_DIR, Segment, SegmentGoneError, new_segment, segment_name
 from .base import Card, Transport
 
 try:  # the lean blocking send and receive in C (_ring_kernel.c), built with the package where a compiler is
@@ -185,9 +185,9 @@ def _open_peer_segment(me: int, peer: int, published: dict[str, Any], ring: int)
     """Map the rings segment rank `peer` published (its path, memfd name and ring size).
 
     Raises:
-        TransportError: its rings are sized unlike ours; or it is gone (the peer
+        TransportError: its rings are sized unlike ours; it is gone (the peer
             lets go of it before every rank mapped it only when its own setup
-            failed or it died); names the rank.
+            failed or it died); or it cannot be mapped. Names the rank.
     """
     if published["ring"] != ring:
         raise TransportError(f"rank {peer} sized its shm rings {published['ring']} B, rank {me} {ring} B; "
@@ -195,10 +195,12 @@ def _open_peer_segment(me: int, peer: int, published: dict[str, Any], ring: int)
     path = published["path"]
     try:
         return Segment.open(path, published["name"])
-    except TransportError as exc:
+    except SegmentGoneError as exc:
         raise TransportError(f"rank {peer}'s shared memory ({path}) was gone before rank {me} mapped it: rank "
                              f"{peer} stopped meeting the others (it failed or exited; its own error says why): "
                              f"{exc}") from exc
+    except TransportError as exc:
+        raise TransportError(f"rank {me} cannot map rank {peer}'s shared memory: {exc}") from exc
 
 
 class ShmChannel(Channel):
