@@ -158,6 +158,7 @@ def test_exported_views_share_memory_and_export_it() -> None:
     assert exported(fortran) is fortran  # left to the ordinary path, which copies its bytes in order
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_exported_tensors_share_memory_and_odd_ones_are_left_as_they_are() -> None:
     torch = pytest.importorskip("torch")
     for tensor in [torch.arange(6, dtype=torch.float32), torch.arange(6).to(torch.bfloat16),
