@@ -286,8 +286,8 @@ def test_streams_from_several_peers_fill_and_wrap_their_rings(size: int) -> None
     assert _spawn(many_to_one, size, "auto", 150) == [True] * size
 
 
-def engine_calls(comm: tcoll.Communicator) -> int:
-    """How many of 50 small blocking sends and receives (a ping-pong) went through the engine's isend/irecv."""
+def _count_engine_posts(comm: tcoll.Communicator) -> list[int]:
+    """From now on, count in the list's one item the sends and receives the engine's isend/irecv post."""
     comm.barrier()  # (its first call sets up the arena, through the engine)
     engine, counted = comm._engine, [0]
     isend, irecv = engine.isend, engine.irecv
@@ -299,6 +299,12 @@ def engine_calls(comm: tcoll.Communicator) -> int:
         return call
 
     engine.isend, engine.irecv = counting(isend), counting(irecv)
+    return counted
+
+
+def engine_calls(comm: tcoll.Communicator) -> int:
+    """How many of 50 small blocking sends and receives (a ping-pong) went through the engine's isend/irecv."""
+    counted = _count_engine_posts(comm)
     buf = np.zeros(4, dtype=np.int32)
     for i in range(50):
         if comm.rank == 0:
@@ -338,17 +344,7 @@ def _values(buf) -> list[float]:
 def burst_calls(comm: tcoll.Communicator, kind: str, count: int) -> tuple[int, bool]:
     """Rank 0 sends `count` buffers of `kind`, rank 1 receives them once all are in its ring, then the other
     way: how many sends and receives went through the engine's isend/irecv, and whether all arrived right."""
-    comm.barrier()  # (its first call sets up the arena, through the engine)
-    engine, counted = comm._engine, [0]
-    isend, irecv = engine.isend, engine.irecv
-
-    def counting(post):
-        def call(*args, **kwargs):
-            counted[0] += 1
-            return post(*args, **kwargs)
-        return call
-
-    engine.isend, engine.irecv = counting(isend), counting(irecv)
+    engine, counted = comm._engine, _count_engine_posts(comm)
     peer, buf, right = 1 - comm.rank, _buffer(kind, -1), True
     inbound = engine.channels[peer]._in
     for sender in (0, 1):
