@@ -95,8 +95,8 @@ def _writable(arr: np.ndarray) -> np.ndarray:
 
 
 def _torch_to_ndarray(tensor: Any, what: str) -> np.ndarray:
-    """View a PyTorch CPU tensor's memory as an ndarray (bytes; dtype kept when NumPy has it)."""
-    if getattr(tensor, "device", None) is not None and tensor.device.type != "cpu":
+    """View a PyTorch CPU tensor's memory as an ndarray (its dtype where NumPy has it, else flat bytes)."""
+    if not tensor.is_cpu:
         raise TypeError(f"{what} is a tensor on {tensor.device}; tcoll moves CPU tensors only")
     if not tensor.is_contiguous():
         raise ValueError(f"{what} must be contiguous (got strides {tuple(tensor.stride())}); pass x.contiguous()")
@@ -104,15 +104,21 @@ def _torch_to_ndarray(tensor: Any, what: str) -> np.ndarray:
         tensor = tensor.detach()
     if tensor.numel() == 0:
         return np.empty(0, dtype=_U8)
-    import torch
-
-    flat = tensor.reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.numpy()
+    numpy_dtypes, uint8 = _torch_views()
+    if tensor.dtype in numpy_dtypes:
+        return tensor.numpy()
     # Viewing as uint8 works for every dtype, bfloat16 included, which
     # Tensor.numpy() refuses; it shares memory with the tensor.
-    return flat.view(torch.uint8).numpy()
+    return (tensor if tensor.dim() else tensor.reshape(1)).view(uint8).numpy()
 
+
+@functools.cache
+def _torch_views() -> tuple[frozenset[Any], Any]:
+    """The torch dtypes Tensor.numpy() takes, and torch.uint8 (asked only once a tensor came: torch is loaded)."""
+    import torch
+
+    return frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                      torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128}), torch.uint8
 
 
 def exported(obj: Any) -> Any:
@@ -130,25 +136,12 @@ def exported(obj: Any) -> Any:
         if (dtype.isbuiltin == 2 or dtype.kind in "Mm") and not dtype.hasobject and obj.flags.c_contiguous:
             return obj.reshape(-1).view(_U8)
         return obj
-    if kind.__module__.startswith("torch") and getattr(obj, "is_cpu", False):
-        numpy_dtypes, uint8 = _torch_views()
+    if kind.__module__.startswith("torch") and hasattr(obj, "is_cpu"):
         try:
-            if not obj.is_contiguous():  # (sparse layouts raise here)
-                return obj
-            flat = obj.detach() if obj.requires_grad else obj
-            return flat.numpy() if flat.dtype in numpy_dtypes else flat.view(uint8).numpy()
-        except (RuntimeError, TypeError):  # a view torch will not give (a conjugate bit, say): the ordinary path
+            return _torch_to_ndarray(obj, "buffer")
+        except (TypeError, ValueError, RuntimeError):  # not contiguous, sparse, a conjugate bit: the ordinary path
             return obj
     return obj
-
-
-@functools.cache
-def _torch_views() -> tuple[frozenset[Any], Any]:
-    """The torch dtypes Tensor.numpy() takes, and torch.uint8 (asked only once a tensor came: torch is loaded)."""
-    import torch
-
-    return frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
-                      torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128}), torch.uint8
 
 
 def is_torch(obj: Any) -> bool:

@@ -129,7 +129,7 @@ class Segment:
 
         Raises:
             SegmentGoneError: the file is gone, or is no longer the memfd `name`.
-        TransportError: it cannot be opened or mapped (permissions, memory).
+            TransportError: it cannot be opened or mapped (permissions, memory).
         """
         try:
             # (no controlling terminal, no blocking: a reused number may name a tty or a FIFO, refused below)
