@@ -400,17 +400,16 @@ def test_ranks_that_disagree_on_the_op_all_raise() -> None:
 
 
 class WideFakeArena(FakeArena):
-    SLOT = 64 << 10  # medium vectors: the kernel chooses between its two ways of copying in
+    SLOT = 64 << 10  # medium vectors, copied in with the kernel's vector loop
 
 
 @needs_kernel
-def test_medium_vectors_copy_in_whole_whichever_way_the_kernel_takes() -> None:
-    """The kernel copies a medium vector in one of two ways, the one that cost less lately, and tries the
-    other every 16th call: 48 steps take both; every step's slot and result are right."""
+def test_medium_vectors_copy_in_whole() -> None:
+    """48 steps of vectors around 56 KB, no two the same length: every step's slot and result are right."""
     fake = WideFakeArena()
     rng = np.random.default_rng(3)
     for step in range(48):
-        count = 7000 + step  # 56 KB and a little more each step: no two the same
+        count = 7000 + step
         mine, theirs = rng.standard_normal(count), rng.standard_normal(count)
         fake.peer_publishes(step, STAMP, step, theirs)
         out = mine.copy()
@@ -419,9 +418,39 @@ def test_medium_vectors_copy_in_whole_whichever_way_the_kernel_takes() -> None:
         assert np.array_equal(out, mine + theirs), step
 
 
+def _copy_case(page: np.ndarray, nbytes: int, src_at: int, dst_at: int, backwards: bool | None) -> None:
+    """Copy nbytes from page[src_at:] to page[dst_at:] (they must not overlap) and check every byte, and that
+    nothing around the destination changed."""
+    page[dst_at - 64:dst_at + nbytes + 64] = 0xAB
+    src = page[src_at:src_at + nbytes]
+    src[:] = np.random.default_rng(nbytes + src_at).integers(0, 255, nbytes, dtype=np.uint8)
+    args = () if backwards is None else (backwards,)
+    arena_module.kernel_module.copy(page[dst_at:dst_at + nbytes], src, *args)
+    assert np.array_equal(page[dst_at:dst_at + nbytes], src), (nbytes, src_at, dst_at, backwards)
+    assert (page[dst_at - 64:dst_at] == 0xAB).all() and (page[dst_at + nbytes:dst_at + nbytes + 64] == 0xAB).all()
+
+
 @needs_kernel
-@pytest.mark.parametrize("nbytes", [0, 1, 65535, 65536, 65537, 3 * 65536 + 7, 1 << 20])
-def test_the_kernel_copies_any_length_in_pieces(nbytes: int) -> None:
+@pytest.mark.parametrize("backwards", [None, False, True])
+def test_the_kernel_copy_is_exact_at_every_length_and_distance(backwards: bool | None) -> None:
+    """The kernel's own copy (_native/copy.h): every length to 1 KiB and around the loop's multiples, the
+    source at every offset of a cache line, the destination at distances to it (mod 4096) inside and outside
+    the window where it copies backwards; forced each way and as calibrated. Nothing outside is touched."""
+    page = np.zeros(5 * 4096 + (1 << 16), dtype=np.uint8)
+    lengths = [*range(0, 1025), *(k * 128 + d for k in range(8, 40) for d in (-1, 0, 1)), 65536 + 77]
+    for nbytes in lengths[::7] + [255, 256, 257, 511, 512, 513]:
+        for src_off in (0, 1, 16, 31, 33, 63):
+            for distance in (16, 64, 255, 256, 2048, 4080, 4095):
+                src_at = 4096 + src_off
+                dst_at = src_at + (nbytes // 4096 + 1) * 4096 + distance
+                if dst_at + nbytes + 64 <= page.nbytes:
+                    _copy_case(page, nbytes, src_at, dst_at, backwards)
+
+
+@needs_kernel
+@pytest.mark.parametrize("nbytes", [0, 1, 65535, 65536, 65537, 3 * 65536 + 7, 1 << 20, (16 << 20) + 33])
+def test_the_kernel_copies_any_length(nbytes: int) -> None:
+    """Lengths around the GIL's release and the non-temporal stores (16 MiB), unaligned; errors named."""
     src = np.random.default_rng(nbytes).integers(0, 256, nbytes + 3, dtype=np.uint8)[3:]  # not aligned
     dst = np.zeros(nbytes + 2, dtype=np.uint8)
     arena_module.kernel_module.copy(dst[1:-1], src)
@@ -430,6 +459,14 @@ def test_the_kernel_copies_any_length_in_pieces(nbytes: int) -> None:
         arena_module.kernel_module.copy(dst, src)
     with pytest.raises(BufferError):
         arena_module.kernel_module.copy(bytes(nbytes), src)  # not writable
+
+
+@needs_kernel
+def test_the_copy_direction_was_calibrated() -> None:
+    """The module timed both directions when it loaded and chose backwards only where it won by 5%."""
+    forward, backward = arena_module.kernel_module.COPY_CALIBRATION
+    assert forward > 0 and backward > 0
+    assert arena_module.kernel_module.COPY_BACKWARDS == (backward < 0.95 * forward)
 
 
 def test_the_kernels_are_built_where_a_compiler_is() -> None:

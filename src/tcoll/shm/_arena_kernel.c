@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_native/copy.h"
 #include "../_native/polling.h"
 
 #define SETS 2
@@ -50,8 +51,6 @@ typedef struct {
     Py_buffer arena;
     Py_buffer *bell_views;
     int held;  /* how many of bell_views are held; -1: not even the arena */
-    double copy_cost[2];  /* what each way of copying a medium vector in cost lately, ns per KiB (copy_in) */
-    uint32_t copies;
     uint8_t *scratch;  /* see scratch_of */
     Py_ssize_t scratch_bytes;
 } Kernel;
@@ -398,38 +397,7 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* Copy in pieces of at most `piece` bytes. glibc copies a block of more than about 2 KiB with one
- * `rep movsb`, which this machine's CPUs run in a mode that costs 1.4x from 1 MiB (25 us against 17.5 us
- * in 64 KiB pieces) and up to 4x while the host is loaded (129 us against 33 us); pieces of 64 KiB to
- * 512 KiB never entered it, and cost the same as one copy below 512 KiB (docs/performance.md). */
-#define COPY_PIECE (64 << 10)
-#define VECTOR_PIECE 2048        /* below glibc's rep movsb threshold: its vector loop */
-#define ADAPT_MAX (256 << 10)    /* above this the vector loop lost in every state measured */
-#define EXPLORE_EVERY 16         /* calls between tries of the way that costs more lately */
-
-static void copy_pieces(uint8_t *to, const uint8_t *from, Py_ssize_t bytes, Py_ssize_t piece) {
-    for (Py_ssize_t at = 0; at < bytes; at += piece)
-        memcpy(to + at, from + at, (size_t)(bytes - at < piece ? bytes - at : piece));
-}
-
-/* Copy this rank's vector into its slot. The slot's lines were last read by the other ranks, so every
- * store takes a line back from their caches, and which way does that faster changes with the host's
- * state: on a quiet machine glibc's vector loop copies 64 KiB in 1.5 us and rep movsb in 3.1 us; while
- * the host is loaded, 9 us against 3 us. So medium vectors go the way that cost less lately, measured
- * here on every call, and the other way is tried again every EXPLORE_EVERY calls. */
-static void copy_in(Kernel *k, uint8_t *to, const uint8_t *from, Py_ssize_t bytes) {
-    if (bytes <= 2 * VECTOR_PIECE || bytes > ADAPT_MAX) {
-        copy_pieces(to, from, bytes, COPY_PIECE);
-        return;
-    }
-    int way = k->copy_cost[1] < k->copy_cost[0];
-    if (++k->copies % EXPLORE_EVERY == 0) way = !way;
-    uint64_t start = now_ns();
-    copy_pieces(to, from, bytes, way ? VECTOR_PIECE : COPY_PIECE);
-    double cost = (double)(now_ns() - start) * 1024.0 / (double)bytes, other = k->copy_cost[!way];
-    if (other > 0.0 && cost > 4.0 * other) cost = 4.0 * other;  /* a copy preempted midway must not ban its way */
-    k->copy_cost[way] = k->copy_cost[way] == 0.0 ? cost : k->copy_cost[way] + 0.25 * (cost - k->copy_cost[way]);
-}
+#define COPY_UNLOCKED (64 << 10)  /* copies from this size on release the GIL (it costs ~100 ns) */
 
 static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
 
@@ -445,7 +413,7 @@ static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObjec
     desc[1] = high;
     desc[2] = sequence;
     desc[3] = 0;  /* no zero-copy buffer: small calls always copy */
-    copy_in(k, slot_of(k, k->rank, step), view->buf, view->len);
+    tc_copy(slot_of(k, k->rank, step), view->buf, (size_t)view->len);
     __atomic_store_n(&k->counters[k->rank], step + 1, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
     ring_sleepers(k);
@@ -465,7 +433,7 @@ static int descriptors_agree(const Kernel *k, uint64_t step) {
 
 static int reduce_slots(const Kernel *k, uint64_t step, int dtype, int op, void *out, Py_ssize_t n) {
     if (k->size == 1) {
-        memcpy(out, slot_of(k, 0, step), (size_t)(n * ITEMSIZE[dtype]));
+        tc_copy(out, slot_of(k, 0, step), (size_t)(n * ITEMSIZE[dtype]));
         return 1;
     }
     if (!combine(dtype, op, out, slot_of(k, 0, step), slot_of(k, 1, step), n)) return 0;
@@ -558,7 +526,7 @@ static int reduce_part(const Kernel *k, uint64_t step, int dtype, int op, uint8_
         return 0;
     for (int q = 2; q < k->size; q++)
         combine(dtype, op, into, into, slot_of(k, q, step) + lo * item, hi - lo);
-    copy_pieces(slot_of(k, k->rank, step) + lo * item, into, (hi - lo) * item, COPY_PIECE);
+    tc_copy(slot_of(k, k->rank, step) + lo * item, into, (size_t)((hi - lo) * item));
     return 1;
 }
 
@@ -567,7 +535,7 @@ static void copy_parts_out(const Kernel *k, uint64_t step, Py_ssize_t item, uint
     for (int q = 0; q < k->size; q++) {
         Py_ssize_t lo, hi;
         part_bounds(n, k->size, q, &lo, &hi);
-        if (q != k->rank) copy_pieces(out + lo * item, slot_of(k, q, step) + lo * item, (hi - lo) * item, COPY_PIECE);
+        if (q != k->rank) tc_copy(out + lo * item, slot_of(k, q, step) + lo * item, (size_t)((hi - lo) * item));
     }
 }
 
@@ -657,24 +625,28 @@ static PyObject *module_combine(PyObject *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(ok);
 }
 
-/* copy(dst, src): dst[:] = src for two buffers of one length, in pieces (see copy_pieces), the GIL
- * released for large ones. The arena's pipelined steps copy their slot-sized pieces with it. */
+/* copy(dst, src[, backwards]): dst[:] = src for two buffers of one length that do not overlap, with tcoll's
+ * own copy (_native/copy.h: the same speed at every alignment), the GIL released for large ones. The
+ * arena's pipelined steps copy their pieces with it. `backwards` (tests, benchmarks/copy_offsets.py) forces
+ * the direction in the aliasing window instead of the one calibrated when the module loaded. */
 static PyObject *module_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "copy(dst, src)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src[, backwards])");
         return NULL;
     }
+    int backwards = nargs == 3 ? PyObject_IsTrue(args[2]) : tc_backwards;
+    if (backwards < 0) return NULL;
     Py_buffer dst, src;
     if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
     if (PyObject_GetBuffer(args[1], &src, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&dst); return NULL; }
     int same = dst.len == src.len;
-    if (same && dst.len >= COPY_PIECE) {
+    if (same && dst.len >= COPY_UNLOCKED) {
         Py_BEGIN_ALLOW_THREADS
-        copy_pieces(dst.buf, src.buf, dst.len, COPY_PIECE);
+        tc_copy_way(dst.buf, src.buf, (size_t)dst.len, backwards);
         Py_END_ALLOW_THREADS
     } else if (same) {
-        memcpy(dst.buf, src.buf, (size_t)dst.len);
+        tc_copy_way(dst.buf, src.buf, (size_t)dst.len, backwards);
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
@@ -686,7 +658,7 @@ static PyObject *module_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 static PyMethodDef module_methods[] = {
-    {"copy", (PyCFunction)(void (*)(void))module_copy, METH_FASTCALL, "dst[:] = src, in pieces (see the source)."},
+    {"copy", (PyCFunction)(void (*)(void))module_copy, METH_FASTCALL, "dst[:] = src, tcoll's own copy (see the source)."},
     {"combine", (PyCFunction)(void (*)(void))module_combine, METH_FASTCALL, "out = lower op higher (see the source)."},
     {NULL, NULL, 0, NULL},
 };
@@ -730,5 +702,14 @@ PyMODINIT_FUNC PyInit__arena_kernel(void) {
     PyModule_AddIntConstant(m, "PUBLISHED", PUBLISHED);
     PyModule_AddIntConstant(m, "DONE", DONE);
     PyModule_AddIntConstant(m, "REDUCED", REDUCED);
+    double forward_ns = 0.0, backward_ns = 0.0;
+#if defined(__x86_64__)
+    tc_copy_calibrate(&forward_ns, &backward_ns);
+    PyModule_AddIntConstant(m, "COPY_BACKWARDS", tc_backwards);
+#else
+    PyModule_AddIntConstant(m, "COPY_BACKWARDS", 0);
+#endif
+    /* what the calibration measured (ns for 256 KiB at distance 16): benchmarks/copy_offsets.py prints it */
+    PyModule_AddObject(m, "COPY_CALIBRATION", Py_BuildValue("(dd)", forward_ns, backward_ns));
     return m;
 }

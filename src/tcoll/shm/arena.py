@@ -67,7 +67,6 @@ KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}
 # The steps a run_split took, by the state it returned.
 _SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
                       if kernel_module is not None else {})
-_COPY_PIECE = 64 << 10  # the kernel copies in pieces of this size; anything smaller NumPy copies as well
 
 
 def kernel_codes(arena: Any, dtype: np.dtype, op: Any) -> tuple[int, int] | None:
@@ -92,9 +91,9 @@ def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -
 
 
 def copy_bytes(arena: Any, dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src for byte views of one length: in the kernel's pieces where the arena has it (glibc's
-    single copy of a large block is slower on this machine, see copy_pieces in _arena_kernel.c)."""
-    if arena.kernel is not None and dst.nbytes > _COPY_PIECE:
+    """dst[...] = src for byte views of one length: with the kernel's own copy where the arena has it (NumPy's
+    goes through glibc's memcpy, whose speed depends on the two addresses on some CPUs: _native/copy.h)."""
+    if arena.kernel is not None:
         kernel_module.copy(dst, src)
     else:
         dst[...] = src
