@@ -566,3 +566,35 @@ def test_ranks_that_disagree_in_the_three_steps_on_more_ranks_all_raise(case: st
     for rank, (said, after_ok) in enumerate(results):
         assert "where rank" in said or "disagree" in said, (case, rank, said)
         assert after_ok, (case, rank)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_reduce_into_reads_its_own_input_in_place_and_writes_two_outputs(dtype, parts: int) -> None:
+    """reduce_into (the pipelined steps' one pass): the inputs in rank order, an output that is one of the
+    inputs (a rank's own part, at every position), chunked past the accumulator's size; NumPy's result."""
+    rng = np.random.default_rng(parts)
+    count = 3 * (8 << 10) // np.dtype(dtype).itemsize + 5  # several chunks and a partial one
+    for own in range(parts):
+        inputs = [(rng.standard_normal(count) * 100).astype(dtype) for _ in range(parts)]
+        expected = inputs[0].astype(dtype)
+        for x in inputs[1:]:
+            expected = (expected + x).astype(dtype)
+        slot = np.zeros(count, dtype)
+        kernel = arena_module.kernel_module
+        code = arena_module.KERNEL_DTYPES[np.dtype(dtype)]
+        assert kernel.reduce_into(code, 0, tuple(inputs), (slot, inputs[own]))
+        assert np.array_equal(slot.view(np.uint8), expected.view(np.uint8)), own
+        assert np.array_equal(inputs[own].view(np.uint8), expected.view(np.uint8)), own
+
+
+@needs_kernel
+def test_reduce_into_refuses_what_it_cannot_do() -> None:
+    kernel = arena_module.kernel_module
+    a, b = np.ones(8, np.float32), np.ones(8, np.float32)
+    assert kernel.reduce_into(0, 4, (a, b), (np.zeros(8, np.float32),)) is False  # band on floats: Python's
+    with pytest.raises(ValueError, match="one length"):
+        kernel.reduce_into(0, 0, (a, np.ones(4, np.float32)), (np.zeros(8, np.float32),))
+    with pytest.raises(ValueError, match="out of range"):
+        kernel.reduce_into(0, 0, (a, b), ())

@@ -51,8 +51,6 @@ typedef struct {
     Py_buffer arena;
     Py_buffer *bell_views;
     int held;  /* how many of bell_views are held; -1: not even the arena */
-    uint8_t *scratch;  /* see scratch_of */
-    Py_ssize_t scratch_bytes;
 } Kernel;
 
 static inline uint64_t min_counter(const Kernel *k) {
@@ -317,10 +315,34 @@ static uint8_t *slot_of(const Kernel *k, int rank, uint64_t step) {
     return k->data + ((Py_ssize_t)(step % SETS) * k->size + rank) * k->slot_bytes;
 }
 
+#define MAX_KERNEL_RANKS 512     /* ranks of one host whose calls the kernel reduces (more: Python does) */
+#define REDUCE_CHUNK (8 << 10)  /* bytes reduced at a time into an L1-resident accumulator (reduce_chunked) */
+
+/* outs[j][0:n] = ins[0] op ins[1] op ... op ins[nin - 1] for every j < nout, in rank order, n items. The
+ * inputs may be any memory (an output may even be one of them): each chunk is reduced into an accumulator
+ * that stays in L1, then copied to every output, so a rank's own input can be read in place from its
+ * buffer, and the result written both there and into its slot, with no extra pass over memory. Returns 0
+ * (nothing written) if this dtype does not take the op in C. */
+static int reduce_chunked(int dtype, int op, const uint8_t *const *ins, int nin, uint8_t *const *outs, int nout,
+                          Py_ssize_t n) {
+    uint8_t acc[REDUCE_CHUNK] __attribute__((aligned(64)));
+    Py_ssize_t item = ITEMSIZE[dtype], chunk = REDUCE_CHUNK / item;
+    for (Py_ssize_t at = 0; at < n; at += chunk) {
+        Py_ssize_t m = n - at < chunk ? n - at : chunk, off = at * item;
+        if (nin == 1) {
+            tc_copy(acc, ins[0] + off, (size_t)(m * item));
+        } else if (!combine(dtype, op, acc, ins[0] + off, ins[1] + off, m)) {
+            return 0;  /* (only ever on the first chunk: whether C takes the op does not depend on it) */
+        }
+        for (int q = 2; q < nin; q++)
+            combine(dtype, op, acc, acc, ins[q] + off, m);
+        for (int j = 0; j < nout; j++)
+            tc_copy(outs[j] + off, acc, (size_t)(m * item));
+    }
+    return 1;
+}
+
 static void Kernel_release(Kernel *self) {
-    PyMem_Free(self->scratch);
-    self->scratch = NULL;
-    self->scratch_bytes = 0;
     if (self->held < 0) return;
     for (int i = 0; i < self->held; i++) PyBuffer_Release(&self->bell_views[i]);
     PyMem_Free(self->bell_views);
@@ -401,7 +423,10 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
 
 static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
 
-static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObject *stamp, uint64_t sequence) {
+/* Describe the call in this rank's descriptor of `step`, copy the buffer into its slot (all but bytes
+ * [skip_lo, skip_hi): a split call's own part, which this rank reads from its buffer), publish, ring. */
+static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObject *stamp, uint64_t sequence,
+                        Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
     uint64_t low = PyLong_AsUnsignedLongLongMask(stamp);
     PyObject *shifted = PyNumber_Rshift(stamp, SIXTY_FOUR);
     if (shifted == NULL) return -1;
@@ -413,7 +438,9 @@ static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObjec
     desc[1] = high;
     desc[2] = sequence;
     desc[3] = 0;  /* no zero-copy buffer: small calls always copy */
-    tc_copy(slot_of(k, k->rank, step), view->buf, (size_t)view->len);
+    uint8_t *slot = slot_of(k, k->rank, step);
+    tc_copy(slot, view->buf, (size_t)skip_lo);
+    tc_copy(slot + skip_hi, (const uint8_t *)view->buf + skip_hi, (size_t)(view->len - skip_hi));
     __atomic_store_n(&k->counters[k->rank], step + 1, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
     ring_sleepers(k);
@@ -484,10 +511,10 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunA
 /* A call's first step: claim it (every rank is done with step - 2), describe the call, copy in, publish.
  * PUBLISHED, NOT_STARTED (a peer is still on the step before, past the spin), or -1 with the error set
  * and the view released. */
-static long claim_and_publish(Kernel *self, RunArgs *a) {
+static long claim_and_publish(Kernel *self, RunArgs *a, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
     if (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield))
         return NOT_STARTED;
-    if (publish_step(self, &a->view, a->step, a->stamp, a->sequence) < 0) {
+    if (publish_step(self, &a->view, a->step, a->stamp, a->sequence, skip_lo, skip_hi) < 0) {
         PyBuffer_Release(&a->view);
         return -1;
     }
@@ -497,7 +524,7 @@ static long claim_and_publish(Kernel *self, RunArgs *a) {
 static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
     if (parse_run(self, args, nargs, &a) < 0) return NULL;
-    long state = claim_and_publish(self, &a);
+    long state = claim_and_publish(self, &a, a.view.len, a.view.len);
     if (state < 0) return NULL;
     if (state == NOT_STARTED || !wait_all(self, a.step + 1, a.spin_ns, a.yield) || !descriptors_agree(self, a.step))
         goto out;
@@ -516,18 +543,17 @@ static void part_bounds(Py_ssize_t count, int parts, int index, Py_ssize_t *lo, 
     *hi = *lo + base + (index < extra);
 }
 
-/* This rank's part of every rank's slot of `step`, reduced in rank order into `into` (the caller's buffer at
- * that part, or scratch memory), then copied over this rank's own part of its slot, where the others read
- * it: lines this rank wrote a moment ago, so no store waits for another core's cache. */
-static int reduce_part(const Kernel *k, uint64_t step, int dtype, int op, uint8_t *into, Py_ssize_t n) {
+/* This rank's part of the call of `step`, reduced in rank order over every rank's input (the others' slots,
+ * this rank's own buffer `mine`, whose part never went into its slot), into this rank's own part of its slot,
+ * where the others read it, and into `mine` at that part too when `want` (reduce_chunked). */
+static int reduce_part(const Kernel *k, uint64_t step, int dtype, int op, uint8_t *mine, int want, Py_ssize_t n) {
     Py_ssize_t lo, hi, item = ITEMSIZE[dtype];
     part_bounds(n, k->size, k->rank, &lo, &hi);
-    if (!combine(dtype, op, into, slot_of(k, 0, step) + lo * item, slot_of(k, 1, step) + lo * item, hi - lo))
-        return 0;
-    for (int q = 2; q < k->size; q++)
-        combine(dtype, op, into, into, slot_of(k, q, step) + lo * item, hi - lo);
-    tc_copy(slot_of(k, k->rank, step) + lo * item, into, (size_t)((hi - lo) * item));
-    return 1;
+    const uint8_t *ins[MAX_KERNEL_RANKS];
+    for (int q = 0; q < k->size; q++)
+        ins[q] = q == k->rank ? mine + lo * item : slot_of(k, q, step) + lo * item;
+    uint8_t *outs[2] = {slot_of(k, k->rank, step) + lo * item, mine + lo * item};
+    return reduce_chunked(dtype, op, ins, k->size, outs, want ? 2 : 1, hi - lo);
 }
 
 /* The other ranks' reduced parts, from their slots of `step`, into `out`. */
@@ -545,17 +571,6 @@ static void publish_counter(const Kernel *k, uint64_t value) {
     ring_sleepers(k);
 }
 
-/* Where a rank that does not want the result (a reduce's non-root) reduces its part: scratch memory. */
-static uint8_t *scratch_of(Kernel *k, Py_ssize_t bytes) {
-    if (bytes > k->scratch_bytes) {
-        uint8_t *grown = PyMem_Realloc(k->scratch, (size_t)bytes);
-        if (grown == NULL) return NULL;
-        k->scratch = grown;
-        k->scratch_bytes = bytes;
-    }
-    return k->scratch;
-}
-
 /* run_split(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want): a call that fits a slot, in three
  * steps, where each rank reduces 1/p of the data instead of all of it (tcoll.shm.vector._reduce_split has
  * the same steps in Python): step `step`: claim, describe, copy in, publish; when every rank has and
@@ -568,12 +583,10 @@ static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_
     if (parse_run(self, args, nargs, &a) < 0) return NULL;
     Py_ssize_t item = ITEMSIZE[a.dtype], n = a.view.len / item, lo, hi;
     part_bounds(n, self->size, self->rank, &lo, &hi);
-    /* (without memory for the scratch, NOT_STARTED: Python runs the same steps) */
-    uint8_t *into = a.want ? (uint8_t *)a.view.buf + lo * item : scratch_of(self, (hi - lo) * item + 1);
-    long state = into == NULL ? NOT_STARTED : claim_and_publish(self, &a);
+    long state = self->size > MAX_KERNEL_RANKS ? NOT_STARTED : claim_and_publish(self, &a, lo * item, hi * item);
     if (state < 0) return NULL;
     if (state == NOT_STARTED || !wait_all(self, a.step + 1, a.spin_ns, a.yield) ||
-        !descriptors_agree(self, a.step) || !reduce_part(self, a.step, a.dtype, a.op, into, n))
+        !descriptors_agree(self, a.step) || !reduce_part(self, a.step, a.dtype, a.op, a.view.buf, a.want, n))
         goto out;
     publish_counter(self, a.step + 2);
     state = REDUCED;
@@ -625,6 +638,55 @@ static PyObject *module_combine(PyObject *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(ok);
 }
 
+/* Release the first `count` views of `views`. */
+static void release_views(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+}
+
+/* reduce_into(dtype, op, inputs, outputs): every output[:] = inputs[0] op inputs[1] op ... in order, for
+ * buffers of one length (at most MAX_KERNEL_RANKS inputs and 2 outputs; an output may be an input), through
+ * reduce_chunked: the pipelined steps reduce a rank's part of a piece with it, reading its own input in
+ * place and writing its slot and its buffer in one pass. False if this dtype does not take the op here. */
+static PyObject *module_reduce_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4 || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "reduce_into(dtype, op, inputs: tuple, outputs: tuple)");
+        return NULL;
+    }
+    int dtype = (int)PyLong_AsLong(args[0]), op = (int)PyLong_AsLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t nin = PyTuple_GET_SIZE(args[2]), nout = PyTuple_GET_SIZE(args[3]);
+    if (dtype < 0 || dtype >= NDTYPES || op < 0 || op >= NOPS || nin < 1 || nin > MAX_KERNEL_RANKS ||
+        nout < 1 || nout > 2) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: reduce_into's codes or counts are out of range");
+        return NULL;
+    }
+    Py_buffer views[MAX_KERNEL_RANKS + 2];
+    const uint8_t *ins[MAX_KERNEL_RANKS];
+    uint8_t *outs[2];
+    int held = 0, ok = -1;
+    for (Py_ssize_t i = 0; i < nin + nout; i++) {
+        PyObject *obj = i < nin ? PyTuple_GET_ITEM(args[2], i) : PyTuple_GET_ITEM(args[3], i - nin);
+        if (PyObject_GetBuffer(obj, &views[i], i < nin ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0) goto out;
+        if (++held, views[i].len != views[0].len) break;
+        if (i < nin) ins[i] = views[i].buf; else outs[i - nin] = views[i].buf;
+    }
+    if (held == nin + nout && views[0].len % ITEMSIZE[dtype] == 0) {
+        Py_ssize_t n = views[0].len / ITEMSIZE[dtype];
+        Py_BEGIN_ALLOW_THREADS
+        ok = reduce_chunked(dtype, op, ins, (int)nin, outs, (int)nout, n);
+        Py_END_ALLOW_THREADS
+    }
+out:
+    release_views(views, held);
+    if (ok < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "arena kernel: reduce_into needs buffers of one length");
+        return NULL;
+    }
+    return PyBool_FromLong(ok);
+}
+
 /* copy(dst, src[, backwards]): dst[:] = src for two buffers of one length that do not overlap, with tcoll's
  * own copy (_native/copy.h: the same speed at every alignment), the GIL released for large ones. The
  * arena's pipelined steps copy their pieces with it. `backwards` (tests, benchmarks/copy_offsets.py) forces
@@ -660,6 +722,8 @@ static PyObject *module_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef module_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))module_copy, METH_FASTCALL, "dst[:] = src, tcoll's own copy (see the source)."},
     {"combine", (PyCFunction)(void (*)(void))module_combine, METH_FASTCALL, "out = lower op higher (see the source)."},
+    {"reduce_into", (PyCFunction)(void (*)(void))module_reduce_into, METH_FASTCALL,
+     "Every output = the inputs reduced in order, in one pass (see the source)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - built without it: the same steps run i
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES",
+__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "reduce_into", "copy_bytes", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES",
            "agreed_slot", "create_segment", "open_segment", "encode_address", "decode_address"]
 
 SETS = 2  # slot sets: step k uses set k % SETS
@@ -88,6 +88,32 @@ def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -
     combine(dtype, code, out, parts[0], parts[1])
     for part in parts[2:]:
         combine(dtype, code, out, out, part)
+
+
+def reduce_into(arena: Any, op: Any, parts: list[np.ndarray], outs: list[np.ndarray]) -> None:
+    """Every array of `outs` = parts[0] op parts[1] op ... in rank order, in one pass over memory.
+
+    In C (kernel_module.reduce_into) where the arena has the kernel and it takes the dtype and op: each
+    cache-sized chunk is reduced into an accumulator and copied to every output. Else NumPy's, through a
+    temporary when there are two outputs. A single output must not overlap a part; of two, either may be
+    one of the parts (a rank's own buffer, read in place and overwritten with the result).
+
+    Args:
+        arena: the arena (its kernel, if any).
+        op: the reduction.
+        parts: equal-length typed inputs, in rank order (at least two).
+        outs: one or two equal-length typed outputs.
+    """
+    codes = kernel_codes(arena, outs[0].dtype, op)
+    if codes is not None and kernel_module.reduce_into(*codes, tuple(parts), tuple(outs)):
+        return
+    if len(outs) == 1:
+        op.combine_all(parts, outs[0])
+        return
+    result = np.empty(outs[0].size, outs[0].dtype)  # (in C, the accumulator in L1)
+    op.combine_all(parts, result)
+    for out in outs:
+        out[...] = result
 
 
 def copy_bytes(arena: Any, dst: np.ndarray, src: np.ndarray) -> None:

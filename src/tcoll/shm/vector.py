@@ -26,7 +26,8 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
-from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_codes, kernel_module
+from .arena import (KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_codes, kernel_module,
+                    reduce_into)
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
@@ -56,8 +57,8 @@ def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
         return 0.0
     if one_step(nbytes, size, 1 << 20):
         return ARENA_SYNC + nbytes * ARENA_COPY + (size - 1) * nbytes * ARENA_REDUCE
-    steps = 2 * -(-nbytes // (1 << 20))
-    return steps * ARENA_SYNC + 2 * nbytes * ARENA_COPY + (size - 1) / size * nbytes * ARENA_REDUCE
+    steps = 2 * -(-nbytes // (1 << 20))  # the others' parts in, its own part's result, the others' parts out
+    return steps * ARENA_SYNC + (2 * size - 1) / size * nbytes * ARENA_COPY + (size - 1) / size * nbytes * ARENA_REDUCE
 
 
 @algorithm("all_reduce", "shm", cost=_reduce_cost, direct=True)
@@ -129,12 +130,13 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
 
 
 def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
-    """A call that fits a slot, in three steps: write and publish; reduce this rank's 1/p of every slot and
-    copy it over its own part of its slot, publish; copy the other ranks' parts out, publish (done reading).
+    """A call that fits a slot, in three steps: write all but this rank's own 1/p into its slot, publish;
+    reduce this rank's 1/p over every rank's input (its own read in place from its buffer) into its own
+    part of its slot and of its buffer, publish; copy the other ranks' parts out, publish (done reading).
 
-    Each rank reduces 1/p of the data, and writes only lines it wrote a moment ago. The C kernel runs
-    the steps when it is built and takes the dtype and op; where it stops (a late peer, a descriptor
-    that differs), Python goes on.
+    Each rank reduces 1/p of the data, and no byte of its own part is copied in or out. The C kernel
+    runs the steps when it is built and takes the dtype and op; where it stops (a late peer, a
+    descriptor that differs), Python goes on.
     """
     want = root is None or arena.rank == root
     codes = kernel_codes(arena, buf.dtype, op)
@@ -142,44 +144,65 @@ def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     if state == DONE:
         return
     raw = _raw(buf)
+    a, b = _own_part(arena, raw.nbytes, buf.dtype)
     if not state:
         step = arena.first_step()
-        copy_bytes(arena, arena.slot(arena.rank, step)[:raw.nbytes], raw)
+        _copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw, (a, b))
         arena.publish(step)
     if state != REDUCED:
         arena.agree(arena.first)
-        _reduce_own_part(arena, op, raw, buf.dtype, want)
+        _reduce_own_part(arena, op, raw, buf.dtype, arena.first, arena.first, 0, (a, b), want)
         arena.publish(arena.skip())
     if want:
         arena.wait_all(arena.first + 1)
-        _copy_other_parts(arena, raw, buf.dtype)
+        _copy_other_parts(arena, raw, buf.dtype, 0, raw.nbytes, arena.first)
     arena.publish(arena.skip())
 
 
-def _reduce_own_part(arena: Arena, op: Op, raw: np.ndarray, dtype: np.dtype, want: bool) -> None:
-    """This rank's 1/p of every slot of the call's first step, reduced into raw (or scratch, if it does not
-    want the result) and copied over its own part of its slot, where the other ranks read it."""
-    first, last = part_bounds(raw.nbytes // dtype.itemsize, arena.size, arena.rank)
-    a, b = first * dtype.itemsize, last * dtype.itemsize
-    parts = [arena.slot(q, arena.first)[a:b].view(dtype) for q in range(arena.size)]
-    into = raw[a:b].view(dtype) if want else np.empty(last - first, dtype)
-    combine_all(arena, op, parts, into)
-    copy_bytes(arena, arena.slot(arena.rank, arena.first)[a:b], into.view(np.uint8))
+def _own_part(arena: Arena, nbytes: int, dtype: np.dtype) -> tuple[int, int]:
+    """Byte bounds of this rank's 1/p of `nbytes` of `dtype` (part_bounds, in bytes)."""
+    first, last = part_bounds(nbytes // dtype.itemsize, arena.size, arena.rank)
+    return first * dtype.itemsize, last * dtype.itemsize
 
 
-def _copy_other_parts(arena: Arena, raw: np.ndarray, dtype: np.dtype) -> None:
-    """The other ranks' reduced parts, from their slots of the call's first step, into raw."""
-    count = raw.nbytes // dtype.itemsize
+def _copy_in_but_own_part(arena: Arena, slot: np.ndarray, piece: np.ndarray, part: tuple[int, int]) -> None:
+    """Copy the piece into the slot but for bytes [a, b), this rank's own part (it reads those in place)."""
+    a, b = part
+    if a:
+        copy_bytes(arena, slot[:a], piece[:a])
+    if b < piece.nbytes:
+        copy_bytes(arena, slot[b:piece.nbytes], piece[b:])
+
+
+def _reduce_own_part(arena: Arena, op: Op, raw: np.ndarray, dtype: np.dtype, step: int, into_step: int, lo: int,
+                     part: tuple[int, int], want: bool, sources: list[np.ndarray | None] | None = None) -> None:
+    """This rank's part [a, b) of the piece at raw[lo:], reduced in rank order over every rank's input (the
+    others' slots of `step`, or their lent buffers in `sources`; this rank's own input read in place from
+    raw) into its own slot of `into_step` at that part, and into raw there too if it wants the result."""
+    a, b = part
+    parts = [(raw[lo + a:lo + b] if q == arena.rank else
+              arena.slot(q, step)[a:b] if sources is None or sources[q] is None else
+              sources[q][lo + a:lo + b]).view(dtype) for q in range(arena.size)]
+    outs = [arena.slot(arena.rank, into_step)[a:b].view(dtype)]
+    if want:
+        outs.append(raw[lo + a:lo + b].view(dtype))
+    reduce_into(arena, op, parts, outs)
+
+
+def _copy_other_parts(arena: Arena, raw: np.ndarray, dtype: np.dtype, lo: int, hi: int, step: int) -> None:
+    """The other ranks' reduced parts of the piece raw[lo:hi], from their slots of `step`, into raw."""
+    count = (hi - lo) // dtype.itemsize
     for q in range(arena.size):
         if q != arena.rank:
             first, last = part_bounds(count, arena.size, q)
             a, b = first * dtype.itemsize, last * dtype.itemsize
-            copy_bytes(arena, raw[a:b], arena.slot(q, arena.first)[a:b])
+            copy_bytes(arena, raw[lo + a:lo + b], arena.slot(q, step)[a:b])
 
 
 def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
-    """Per slot-sized piece: write, publish; reduce my 1/p of every slot into my slot of the next step,
-    publish; copy every rank's part out. A buffer lent in place (comm.empty) is read there."""
+    """Per slot-sized piece: write all but this rank's own part of it, publish; reduce that part over every
+    rank's input (its own in place) into this rank's slot of the next step and its buffer, publish; copy
+    the other ranks' parts out. A buffer lent in place (comm.empty) is read there, not copied in."""
     size, me, dtype = arena.size, arena.rank, buf.dtype
     raw = _raw(buf)
     total = raw.nbytes
@@ -189,44 +212,23 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     wants_result = root is None or me == root
     for lo in range(0, total, piece):
         hi = min(total, lo + piece)
+        a, b = _own_part(arena, hi - lo, dtype)
         step = arena.first_step(ref) if lo == 0 else arena.claim()
         if ref is None:
-            copy_bytes(arena, arena.slot(me, step)[:hi - lo], raw[lo:hi])
+            _copy_in_but_own_part(arena, arena.slot(me, step), raw[lo:hi], (a, b))
         arena.publish(step)
         if lo == 0:
             arena.agree(step)
-            sources = [(raw if ref is not None else None) if q == me else arena.peer_buffer(step, q)
-                       for q in range(size)]
+            sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
         else:
             arena.wait_all(step)
-        result = _reduce_piece(arena, op, raw, dtype, lo, hi, step, sources)
+        result = arena.claim()
+        _reduce_own_part(arena, op, raw, dtype, step, result, lo, (a, b), wants_result, sources)
+        arena.publish(result)
         if wants_result or (ref is not None and hi == total):  # a lender waits until nobody reads it
             arena.wait_all(result)
         if wants_result:
-            _copy_piece_out(arena, raw, dtype, lo, hi, result)
-
-
-def _reduce_piece(arena: Arena, op: Op, raw: np.ndarray, dtype: np.dtype, lo: int, hi: int, step: int,
-                  sources: list[np.ndarray | None]) -> int:
-    """Reduce this rank's 1/p of piece raw[lo:hi] (published at `step`; read from `sources` where a rank lent
-    its buffer) into its own slot of the next step, and publish that step; returns it."""
-    first, last = part_bounds((hi - lo) // dtype.itemsize, arena.size, arena.rank)
-    a, b = first * dtype.itemsize, last * dtype.itemsize
-    parts = [(arena.slot(q, step)[a:b] if src is None else src[lo + a:lo + b]).view(dtype)
-             for q, src in enumerate(sources)]
-    result = arena.claim()
-    combine_all(arena, op, parts, arena.slot(arena.rank, result)[a:b].view(dtype))
-    arena.publish(result)
-    return result
-
-
-def _copy_piece_out(arena: Arena, raw: np.ndarray, dtype: np.dtype, lo: int, hi: int, result: int) -> None:
-    """Copy every rank's reduced part of piece raw[lo:hi] out of its slot of step `result`."""
-    count = (hi - lo) // dtype.itemsize
-    for q in range(arena.size):
-        first, last = part_bounds(count, arena.size, q)
-        a, b = first * dtype.itemsize, last * dtype.itemsize
-        copy_bytes(arena, raw[lo + a:lo + b], arena.slot(q, result)[a:b])
+            _copy_other_parts(arena, raw, dtype, lo, hi, result)
 
 
 # -- broadcast -----------------------------------------------------------------------------
