@@ -42,10 +42,9 @@ def expected(collective: str, size: int, rank: int, count: int, slot: int, root:
             return (n, 0), (p - 1) * n if gets else 0, 1
         parts = [part_bounds(min(piece, n - lo) // ITEM, p, rank) for lo in range(0, n, piece)]
         mine = ITEM * sum(hi - lo for lo, hi in parts)  # this rank's 1/p of every piece
-        # its own part is never copied in or out: it reads it from its buffer and reduces it into its own part
-        # of its slot (a rank that gets the result through an accumulator, copied there and to its buffer);
-        # the others' parts go in, and (if it gets the result) come out
-        copied = (n, n - mine) if gets else (n - mine, 0)
+        # its own part is never copied in: it reads it from its buffer and reduces it into its own part of its
+        # slot; the others' parts go in, and (if it gets the result) all parts come out, its own included
+        copied = (n - mine, n if gets else 0)
         return copied, (p - 1) * mine, 3 if n <= slot else 2 * _pieces(n, piece)
     if collective == "broadcast":  # root writes each piece once, every other rank copies it out
         return ((n, 0) if rank == root else (0, n)), 0, _pieces(n, slot) + lend
@@ -123,7 +122,7 @@ def test_recorded_bytes_are_the_cost_models(collective: str, name: str, monkeypa
 
 def test_all_reduce_on_four_ranks_step_by_step() -> None:
     """16 floats in 64-byte slots (4 floats): per piece, each rank writes all but its own quarter, reduces
-    its quarter (its own read in place) into its own slot of the next step, and copies the others' out."""
+    its quarter (its own read in place) into its own slot of the next step, and copies every quarter out."""
     schedule = record_direct("all_reduce", "shm", 4, 16, slot_bytes=64)
     assert agreed_slot(64, 4) == 256 and schedule.steps == 1  # slots are at least 64 B per rank: one step
     schedule = record_direct("all_reduce", "shm", 4, 16 * 1024, slot_bytes=256)
@@ -132,8 +131,8 @@ def test_all_reduce_on_four_ranks_step_by_step() -> None:
     writes = [(r, r, n, True, False) for r in range(4) for n in (64 * r, 256 - 64 * (r + 1)) if n]
     assert sorted(step0) == sorted(writes + [(r, q, 64, False, True) for r in range(4) for q in range(4) if q != r])
     step1 = sorted((a.rank, a.owner, a.nbytes, a.write, a.combine) for a in schedule.accesses if a.step == 1)
-    assert step1 == sorted([(r, r, 64, True, False) for r in range(4)]
-                           + [(r, q, 64, False, False) for r in range(4) for q in range(4) if q != r])
+    assert step1 == sorted([(r, r, 64, True, True) for r in range(4)]
+                           + [(r, q, 64, False, False) for r in range(4) for q in range(4)])
 
 
 def test_a_read_without_its_wait_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

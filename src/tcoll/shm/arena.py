@@ -91,12 +91,11 @@ def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -
 
 
 def reduce_into(arena: Any, op: Any, parts: list[np.ndarray], outs: list[np.ndarray]) -> None:
-    """Every array of `outs` = parts[0] op parts[1] op ... in rank order, in one pass over memory.
+    """outs[0] = parts[0] op parts[1] op ... in rank order, then copied into outs[1] if given.
 
-    In C (kernel_module.reduce_into) where the arena has the kernel and it takes the dtype and op: each
-    cache-sized chunk is reduced into an accumulator and copied to every output. Else NumPy's, through a
-    temporary when there are two outputs. A single output must not overlap a part; of two, either may be
-    one of the parts (a rank's own buffer, read in place and overwritten with the result).
+    In C (kernel_module.reduce_into) where the arena has the kernel and it takes the dtype and op, else
+    NumPy's. outs[0] (a rank's part of its slot) must not overlap a part; outs[1] may be one of them (the
+    rank's own part of its buffer, read in place and overwritten with the result once all were read).
 
     Args:
         arena: the arena (its kernel, if any).
@@ -105,15 +104,10 @@ def reduce_into(arena: Any, op: Any, parts: list[np.ndarray], outs: list[np.ndar
         outs: one or two equal-length typed outputs.
     """
     codes = kernel_codes(arena, outs[0].dtype, op)
-    if codes is not None and kernel_module.reduce_into(*codes, tuple(parts), tuple(outs)):
-        return
-    if len(outs) == 1:
+    if codes is None or not kernel_module.reduce_into(*codes, tuple(parts), tuple(outs)):
         op.combine_all(parts, outs[0])
-        return
-    result = np.empty(outs[0].size, outs[0].dtype)  # (in C, the accumulator in L1)
-    op.combine_all(parts, result)
-    for out in outs:
-        out[...] = result
+        if len(outs) == 2:
+            outs[1][...] = outs[0]
 
 
 def copy_bytes(arena: Any, dst: np.ndarray, src: np.ndarray) -> None:
