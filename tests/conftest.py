@@ -21,7 +21,11 @@ from helpers.procs import descendants, kill_all, leftover_processes
 
 @pytest.fixture(name="no_leftovers")
 def no_leftovers_fixture() -> Iterator[None]:
-    """Fail a test that leaves processes (ranks), threads (rank threads, store servers) behind."""
+    """Fail a test that leaves processes (ranks) or threads (rank threads, store servers) behind.
+
+    The one leak check of the tests: threads get 10 s to end (a server's
+    connection handlers finish after it closes).
+    """
     processes_before = descendants()
     threads_before = set(threading.enumerate())
     yield
@@ -68,15 +72,3 @@ def popen_fixture() -> Iterator[Any]:
         except Exception:  # noqa: BLE001 - reap at any cost
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture
-def no_leaked_threads() -> Iterator[None]:
-    """Fail a test that leaves threads (store servers, connection handlers, rank threads) running."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 10
-    while extra := [t for t in threading.enumerate() if t not in before and t.is_alive()]:
-        if time.monotonic() > deadline:
-            pytest.fail(f"threads left running: {extra}")
-        extra[0].join(0.05)

@@ -28,7 +28,7 @@ class RecordingEngine:
         self.abandoned: list[tuple[int, int, int]] = []
         self.in_progress = 0
         self.deferred: list[Any] = []
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
 
     def isend(self, data: np.ndarray, peer: int, ctx: int, tag: int, user: Any = None, stamp: int = 0) -> SendWork:
         self.sent.append((peer, ctx, tag, data.nbytes))
@@ -118,7 +118,7 @@ def test_a_collective_work_steps_its_algorithm_and_fails_with_it() -> None:
         raise ValueError("from the algorithm")
 
     work = CollectiveWork(engine, algorithm(), "test #5", team).start()  # type: ignore[arg-type]
-    assert not work._done and len(engine.posted) == 1
+    assert not work.finished and len(engine.posted) == 1
     recv = engine.posted[0]
     recv.data[:] = np.array([2.5]).view(np.uint8)  # as a transport would fill it
     recv.nbytes = recv.offset = 8

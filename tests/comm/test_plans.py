@@ -30,10 +30,11 @@ def run_every_plan(comm: tcoll.Communicator) -> None:
         "scatter": comm.scatter_init(c := (np.zeros((p, 2)) if r == 0 else None), root=0),
         "barrier": comm.barrier_init(),
         "all_gatherv": comm.all_gatherv_init(v := np.zeros(r + 1)),
+        "all_to_allv": comm.all_to_allv_init(w := [np.zeros(((r + j) % 3 + 1, 2)) for j in range(p)]),
         "broadcast_object": comm.broadcast_object_init(obj := {"run": 0}, root=0),
     }
     assert plans["all_reduce"].bound and plans["all_gather"].bound and plans["barrier"].bound
-    assert not plans["scatter"].bound and not plans["broadcast_object"].bound
+    assert not plans["scatter"].bound and not plans["broadcast_object"].bound and not plans["all_to_allv"].bound
     for run in range(3):
         x[...] = r + run
         y[...] = r * run
@@ -45,6 +46,8 @@ def run_every_plan(comm: tcoll.Communicator) -> None:
         if r == 0:
             c[...] = np.arange(2 * p).reshape(p, 2) + run
         v[...] = r + run
+        for j, chunk in enumerate(w):
+            chunk[...] = 100 * r + 10 * j + run
         obj["run"] = run
         started = plans["all_reduce"].start() if run == 1 else None
         got = plans["all_reduce"].wait() if started is not None else plans["all_reduce"]()
@@ -64,6 +67,10 @@ def run_every_plan(comm: tcoll.Communicator) -> None:
         plans["barrier"]()
         for q, part in enumerate(plans["all_gatherv"]()):
             np.testing.assert_array_equal(part, np.full(q + 1, q + run))
+        started = plans["all_to_allv"].start() if run == 2 else None
+        got = plans["all_to_allv"].wait() if started is not None else plans["all_to_allv"]()
+        for q, part in enumerate(got):
+            np.testing.assert_array_equal(part, np.full(((q + r) % 3 + 1, 2), 100 * q + 10 * r + run))
         assert plans["broadcast_object"]() == {"run": run}
 
 

@@ -1,4 +1,4 @@
-"""Helpers for tests that run processes: leftovers, shared-memory segments, file signals, environments.
+"""Helpers for tests that run ranks: processes and threads, leftovers, shm segments, file signals, environments.
 
 Ranks in different processes synchronise through files (written atomically,
 polled with a deadline) or through tcoll messages, never through sleeps.
@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -204,11 +205,78 @@ def run_ranks(cwd: str | os.PathLike[str], args: list[str], size: int, run_id: s
         server.close()
 
 
-# -- ports and threads ----------------------------------------------------------------------
+# -- ranks on threads or through tcoll.spawn ----------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+def spawn_as(mode: str, fn: Any, nprocs: int, *args: Any, **settings: Any) -> list[Any]:
+    """tcoll.spawn(fn, nprocs, args) with its ranks run as `mode` says; the ranks' results.
+
+    Args:
+        mode: "threads" (or "loopback", their transport): threads of this process;
+            "processes": processes, with the transport tcoll chooses; a transport
+            ("shm", "tcp"): processes that use it.
+        settings: tcoll.spawn's keywords and Settings fields (timeout: 30 s unless given).
+    """
+    import tcoll
+
+    settings.setdefault("timeout", 30)
+    if mode in ("threads", "loopback"):
+        return tcoll.spawn(fn, nprocs, args, threads=True, **settings)
+    if mode != "processes":
+        settings["transport"] = mode
+    return tcoll.spawn(fn, nprocs, args, **settings)
+
+
+def on_threads(n: int, fn: Callable[[int], Any], join_timeout: float = 50.0) -> list[Any]:
+    """Run fn(rank) for ranks 0..n-1, each on a thread of its own; re-raise the first failure; the results.
+
+    For tests of the layers below a communicator (stores, rendezvous, transports),
+    whose ranks are plain functions; fails the test if a rank is still running after
+    `join_timeout` seconds.
+    """
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}") for r in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(join_timeout)
+        assert not thread.is_alive(), "a rank hung"
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+# -- ports ------------------------------------------------------------------------------------
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking).
+
+    Args:
+        span: how many consecutive ports from it must be free (2 for a launcher
+            whose rendezvous takes MASTER_PORT = port + 1).
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if all(_bindable(port + k) for k in range(1, span)):
+                return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

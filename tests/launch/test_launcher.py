@@ -6,7 +6,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers.procs import free_port
 
 from tcoll import cli
 from tcoll.launch import LaunchConfig
@@ -95,20 +95,6 @@ def assert_gone(pid: int) -> None:
         return
     state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     pytest.fail(f"process {pid} still exists (state {state})")
-
-
-def free_port() -> int:
-    """A TCP port free now, whose successor is free too (MASTER_PORT = port + 1)."""
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
 
 
 @pytest.fixture
@@ -365,7 +351,7 @@ def test_killing_the_launcher_kills_its_ranks(tmp_path: Path, reaper: Callable[[
 
 def _nodes(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.Popen[str], subprocess.Popen[str], int]:
     """Start two launchers of 2 ranks each, node 0 and node 1, on this machine."""
-    port = free_port()
+    port = free_port(span=2)  # the launcher's rendezvous takes port + 1
     common = ["-n", "2", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--grace", "1", *extra]
     node0 = start(tmp_path, *common, "--node-rank", "0", name)
     node1 = start(tmp_path, *common, "--node-rank", "1", name)

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.procs import clean_env, rank_report, read_json, shm_segments, touch, wait_file, write_report
+from helpers.procs import (clean_env, free_port, rank_report, read_json, shm_segments, spawn_as, touch, wait_file,
+                           write_report)
 
 import tcoll
 from tcoll import PeerLostError, SpawnError
@@ -52,12 +53,6 @@ def _more_than_socket_buffers() -> int:
 BIG = _more_than_socket_buffers()
 SPAWN_TIMEOUT = 30.0
 _run_ids: list[str] = []  # every process run of this module, for the final /dev/shm check
-
-
-def _spawn(transport: str, fn: Any, nprocs: int, *args: Any) -> list[Any]:
-    if transport == "loopback":
-        return tcoll.spawn(fn, nprocs, args, threads=True, timeout=SPAWN_TIMEOUT)
-    return tcoll.spawn(fn, nprocs, args, transport=transport, timeout=SPAWN_TIMEOUT)
 
 
 # -- what the ranks do -----------------------------------------------------------------------
@@ -263,7 +258,7 @@ def _check_spawn_error(error: SpawnError, how: str) -> None:
 @pytest.mark.parametrize("transport,how", LOSSES)
 def test_peer_lost_while_others_block_in_recv(transport: str, how: str, tmp_path: Path) -> None:
     with pytest.raises(SpawnError) as info:
-        _spawn(transport, _peer_dies_while_others_block_in_recv, 3, str(tmp_path), how)
+        spawn_as(transport, _peer_dies_while_others_block_in_recv, 3, str(tmp_path), how)
     _check_spawn_error(info.value, how)
     for rank in (1, 2):
         report = rank_report(tmp_path, rank)
@@ -277,7 +272,7 @@ def test_peer_lost_while_others_block_in_recv(transport: str, how: str, tmp_path
 @pytest.mark.parametrize("transport,how", LOSSES)
 def test_peer_lost_while_sender_blocked(transport: str, how: str, tmp_path: Path) -> None:
     with pytest.raises(SpawnError) as info:
-        _spawn(transport, _receiver_dies_while_sender_blocked, 2, str(tmp_path), how)
+        spawn_as(transport, _receiver_dies_while_sender_blocked, 2, str(tmp_path), how)
     _check_spawn_error(info.value, how)
     report = rank_report(tmp_path, 1)
     _run_ids.append(report["run_id"])
@@ -292,7 +287,7 @@ def test_peer_lost_while_sender_blocked(transport: str, how: str, tmp_path: Path
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)
 def test_silent_peer_times_out(transport: str) -> None:
-    report = _spawn(transport, _silent_peer, 2)[0]
+    report = spawn_as(transport, _silent_peer, 2)[0]
     recv = report["recv"]
     assert isinstance(recv, dict), recv
     assert recv["tcoll"] and recv["builtin"] and recv["tcoll_error"], recv
@@ -312,7 +307,7 @@ def test_silent_peer_times_out(transport: str) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)
 def test_work_wait_done_exception(transport: str, tmp_path: Path) -> None:
-    receiver, sender = _spawn(transport, _work_handles, 2, str(tmp_path))
+    receiver, sender = spawn_as(transport, _work_handles, 2, str(tmp_path))
     assert receiver["before"] == {"done": False, "exception": "None"}
     assert receiver["after"] == {"done": True, "exception": "None", "result_is_box": True, "wait_is_box": True,
                                  "box": [1.0, 2.0, 3.0]}
@@ -380,20 +375,12 @@ RANK_SCRIPT = """
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _kill_one_of_two(popen: Any, tmp_path: Path, transport: str, victim: int, timeout: float) -> dict[str, Any]:
     """Run RANK_SCRIPT on two plain processes; `victim` kills itself; return the survivor's report."""
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(RANK_SCRIPT))
     run_id = f"faults{secrets.token_hex(4)}"
-    port, out = _free_port(), tmp_path / "survivor.json"
+    port, out = free_port(), tmp_path / "survivor.json"
     procs = [popen([sys.executable, str(script), str(rank), str(victim), str(port), transport, str(timeout), str(out)],
                    env=clean_env(TCOLL_RUN_ID=run_id)) for rank in (0, 1)]
     codes = [proc.wait(timeout=30) for proc in procs]

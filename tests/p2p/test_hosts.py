@@ -38,3 +38,17 @@ def _topology(comm: tcoll.Communicator) -> tuple[int, int, int, bool]:
 def test_one_host_split_type_and_leaders() -> None:
     got = tcoll.spawn(_topology, 3, timeout=60)
     assert got == [(1, 3, 3, True), (1, 3, 3, False), (1, 3, 3, False)]
+
+
+def _opt_out(comm: tcoll.Communicator) -> tuple[int, int, float, float] | None:
+    """Rank 1 passes kind None (MPI_UNDEFINED): it gets None, and the others a communicator without it."""
+    local = comm.split_type(None if comm.rank == 1 else "host", key=-comm.rank)
+    after = float(comm.all_reduce(np.ones(1))[0])
+    if local is None:
+        return None
+    return local.rank, local.size, float(local.all_reduce(np.full(1, comm.rank))[0]), after
+
+
+def test_a_rank_opts_out_of_split_type() -> None:
+    got = tcoll.spawn(_opt_out, 4, timeout=60)
+    assert got == [(2, 3, 5.0, 4.0), None, (1, 3, 5.0, 4.0), (0, 3, 5.0, 4.0)], got  # ordered by key

@@ -74,3 +74,27 @@ def mismatch_then_right(comm: tcoll.Communicator) -> list[str]:
 def test_a_dtype_mismatch_is_an_error_on_every_rank() -> None:
     for rank, seen in enumerate(tcoll.spawn(mismatch_then_right, 3, timeout=120, transport="shm")):
         assert seen[0].startswith("MismatchError") and "dtype" in seen[0] and seen[1] == "True", (rank, seen)
+
+
+def small_slot(comm: tcoll.Communicator) -> list[str]:
+    """A slot too small for the all_to_allv headers: auto moves the data another way; "shm" says what to raise."""
+    r, p = comm.rank, comm.size
+    seen = []
+    for salt in range(2):
+        got = comm.all_to_allv([block(r, d, salt, 3) for d in range(p)])
+        seen.append(str(all(np.array_equal(got[q], block(q, r, salt, 3)) for q in range(p))))
+    try:
+        comm.all_to_allv([block(r, d, 0, 3) for d in range(p)], algorithm="shm")
+        seen.append("shm accepted a slot that cannot hold the headers")
+    except ValueError as exc:
+        seen.append("TCOLL_SHM_SLOT" in str(exc) and str(exc))
+    seen.append(str(np.array_equal(comm.all_reduce(np.full(3, r)), np.full(3, p * (p - 1) // 2))))
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size,slot", [(3, 256), (2, 64)])
+def test_all_to_allv_with_a_slot_smaller_than_its_headers(size: int, slot: int) -> None:
+    """The headers take 256 + 8 x size bytes of the first step's slot (and each rank a share of the rest)."""
+    for rank, seen in enumerate(tcoll.spawn(small_slot, size, timeout=100, transport="shm", shm_slot=str(slot))):
+        assert seen[:2] == ["True", "True"] and "TCOLL_SHM_SLOT" in seen[2] and seen[3] == "True", (rank, seen)

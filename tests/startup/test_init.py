@@ -98,7 +98,7 @@ RING_JOB = """
 
 
 
-def _run_ranks(popen: Any, tmp_path: Path, ranks: list[tuple[dict[str, str], dict[str, Any]]],
+def _init_ranks(popen: Any, tmp_path: Path, ranks: list[tuple[dict[str, str], dict[str, Any]]],
                store_port: int = 0, timeout: float = 40) -> list[dict[str, Any]]:
     """Start one RANK_SCRIPT process per (env, init kwargs); return their reports in rank order."""
     script = tmp_path / "rank.py"
@@ -139,7 +139,7 @@ def bare_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
 @pytest.mark.timeout(60)
 def test_no_launcher_is_a_world_of_one(popen: Any, tmp_path: Path) -> None:
-    reports = _run_ranks(popen, tmp_path, [({}, {})])
+    reports = _init_ranks(popen, tmp_path, [({}, {})])
     _check_world(reports, "single")
 
 
@@ -147,7 +147,7 @@ def test_no_launcher_is_a_world_of_one(popen: Any, tmp_path: Path) -> None:
 def test_explicit_tcp_init_method(popen: Any, tmp_path: Path) -> None:
     port = free_port()
     method = f"tcp://127.0.0.1:{port}"
-    reports = _run_ranks(popen, tmp_path, [({}, {"rank": r, "size": 3, "init_method": method, "timeout": 30})
+    reports = _init_ranks(popen, tmp_path, [({}, {"rank": r, "size": 3, "init_method": method, "timeout": 30})
                                            for r in range(3)], store_port=port)
     _check_world(reports, "explicit", store_port=port)
 
@@ -155,7 +155,7 @@ def test_explicit_tcp_init_method(popen: Any, tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_explicit_file_init_method(popen: Any, tmp_path: Path) -> None:
     method = f"file://{tmp_path}/rendezvous.store"
-    reports = _run_ranks(popen, tmp_path, [({}, {"rank": r, "size": 3, "init_method": method, "timeout": 30})
+    reports = _init_ranks(popen, tmp_path, [({}, {"rank": r, "size": 3, "init_method": method, "timeout": 30})
                                            for r in range(3)])
     _check_world(reports, "explicit")
 
@@ -163,7 +163,7 @@ def test_explicit_file_init_method(popen: Any, tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_rank_and_size_in_the_init_method_query(popen: Any, tmp_path: Path) -> None:
     port = free_port()
-    reports = _run_ranks(popen, tmp_path, [({}, {"init_method": f"tcp://127.0.0.1:{port}?rank={r}&world_size=2"})
+    reports = _init_ranks(popen, tmp_path, [({}, {"init_method": f"tcp://127.0.0.1:{port}?rank={r}&world_size=2"})
                                            for r in range(2)], store_port=port)
     _check_world(reports, "explicit", store_port=port)
 
@@ -196,7 +196,7 @@ LAUNCHERS = {"torchrun": _torchrun, "openmpi": _openmpi, "pmi": _pmi, "slurm": _
 def test_launcher_environment(popen: Any, tmp_path: Path, launcher: str) -> None:
     # Rank 0 must serve the store on the port the launcher's variables name.
     port, size = free_port(), 2 if launcher == "torchrun" else 3
-    reports = _run_ranks(popen, tmp_path, [(LAUNCHERS[launcher](r, size, port), {}) for r in range(size)],
+    reports = _init_ranks(popen, tmp_path, [(LAUNCHERS[launcher](r, size, port), {}) for r in range(size)],
                          store_port=port)
     _check_world(reports, launcher, store_port=port)
 

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers.procs import free_port
 
 from tcoll.errors import RendezvousError
 from tcoll.startup import keys
@@ -124,9 +125,7 @@ def test_a_job_without_a_launcher_key_derives_one(tmp_path: Path) -> None:
     """Ranks started by hand (as torchrun or srun would start them) share a key from the user's secret."""
     (tmp_path / "job.py").write_text(textwrap.dedent(_STRANGER.replace(
         'os.environ["TCOLL_MASTER"]', 'f"127.0.0.1:{os.environ[\'MASTER_PORT\']}"')))
-    with __import__("socket").socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**_clean_env(tmp_path), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),

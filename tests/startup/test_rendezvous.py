@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from helpers.procs import free_port
+from helpers.procs import free_port, on_threads
 
 from tcoll.errors import RendezvousError, TimeoutError
 from tcoll.startup import rendezvous
@@ -30,7 +28,7 @@ from tcoll.store import (
 )
 
 # Every test here may start threads (servers, ranks) or processes: none may hang the suite.
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftovers")]
 
 TCOLL = {
     "TCOLL_RANK": "3", "TCOLL_SIZE": "8", "TCOLL_LOCAL_RANK": "1", "TCOLL_LOCAL_SIZE": "2",
@@ -275,14 +273,9 @@ def test_open_store_torch_agent(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- exchange_cards and store_barrier ---------------------------------------------------------
 
 
-def _run_ranks(size: int, fn: Callable[[int], Any]) -> list[Any]:
-    with ThreadPoolExecutor(size) as pool:
-        return list(pool.map(fn, range(size)))
-
-
 def test_exchange_cards_memory() -> None:
     store = MemoryStore(timeout=10)
-    results = _run_ranks(4, lambda r: exchange_cards(store, r, 4, {"rank": r, "host": f"h{r}"}, 10))
+    results = on_threads(4, lambda r: exchange_cards(store, r, 4, {"rank": r, "host": f"h{r}"}, 10))
     expected = [{"rank": r, "host": f"h{r}"} for r in range(4)]
     assert results == [expected] * 4
 
@@ -298,7 +291,7 @@ def test_exchange_cards_over_tcp_with_rank0_hosting() -> None:
             store_leave(store, rank, 4, 20)  # rank 0's server outlives the others' last requests
             return cards
 
-    assert _run_ranks(4, rank_main) == [[{"rank": r} for r in range(4)]] * 4
+    assert on_threads(4, rank_main) == [[{"rank": r} for r in range(4)]] * 4
 
 
 @pytest.mark.parametrize("kind", ["memory", "tcp"])
@@ -306,7 +299,7 @@ def test_exchange_cards_names_missing_ranks(kind: str) -> None:
     store: Store = MemoryStore() if kind == "memory" else TCPStore.create("127.0.0.1", 0, is_server=True, timeout=10)
     view = store.prefix("tcoll/world1")  # as tcoll.world uses it
     try:
-        errors = _run_ranks(2, lambda r: _expect_rendezvous_error(view, r))
+        errors = on_threads(2, lambda r: _expect_rendezvous_error(view, r))
         for error in errors:
             assert error.missing == [2, 3] and error.address == store.address
             assert f"rendezvous at {store.address} timed out after 0.5s: ranks [2, 3] of 4 did not arrive" in str(error)
@@ -331,7 +324,7 @@ def test_store_barrier_is_reusable() -> None:
                 order.append((round_, rank))
             store_barrier(store, rank, 4, "b", 10)
 
-    _run_ranks(4, rank_main)
+    on_threads(4, rank_main)
     rounds = [r for r, _ in order]
     assert rounds == sorted(rounds)  # nobody entered round k+1 before all finished round k
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.procs import spawn_as
 
 import tcoll
 from tcoll import SpawnError
@@ -20,15 +21,6 @@ pytestmark = [pytest.mark.usefixtures("no_leftovers"), pytest.mark.timeout(60)]
 
 # How the ranks run: processes (auto, shm, tcp) or threads of this process.
 MODES = ["processes", "shm", "tcp", "threads"]
-
-
-def _spawn(mode: str, fn: Any, nprocs: int, args: tuple[Any, ...] = (), **kwargs: Any) -> list[Any]:
-    kwargs.setdefault("timeout", 30)
-    if mode == "threads":
-        return tcoll.spawn(fn, nprocs, args, threads=True, **kwargs)
-    if mode != "processes":
-        kwargs["transport"] = mode
-    return tcoll.spawn(fn, nprocs, args, **kwargs)
 
 
 # -- what the ranks do -----------------------------------------------------------------------
@@ -98,7 +90,7 @@ def _raise_two_arg_error(comm: tcoll.Communicator) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_results_in_rank_order_with_args(mode: str) -> None:
-    assert _spawn(mode, _finish_in_reverse, 4, ("word", 7)) == [(r, 4, "word", 7) for r in range(4)]
+    assert spawn_as(mode, _finish_in_reverse, 4, "word", 7) == [(r, 4, "word", 7) for r in range(4)]
 
 
 def test_one_rank() -> None:
@@ -119,7 +111,7 @@ def test_rank_raising_is_named_with_its_exception_and_traceback(mode: str) -> No
     # tcp tells the blocked ranks at once, so their PeerLostError races the real failure to the parent.
     for _ in range(5 if mode == "tcp" else 1):
         with pytest.raises(SpawnError) as info:
-            _spawn(mode, _value_error_on_rank_1, 3)
+            spawn_as(mode, _value_error_on_rank_1, 3)
         error = info.value
         assert error.rank == 1, error
         assert isinstance(error.__cause__, ValueError) and str(error.__cause__) == "bad value 42"
@@ -132,7 +124,7 @@ def test_rank_raising_is_named_with_its_exception_and_traceback(mode: str) -> No
 @pytest.mark.parametrize("mode", ["processes", "threads"])
 def test_sys_exit_names_the_exit_code(mode: str) -> None:
     with pytest.raises(SpawnError) as info:
-        _spawn(mode, _exit_on_rank_1, 2, ("sys.exit",))
+        spawn_as(mode, _exit_on_rank_1, 2, "sys.exit")
     assert info.value.rank == 1
     assert re.search(r"\bexit(ed with)? code 3\b", str(info.value)), str(info.value)
 

@@ -22,7 +22,7 @@ from tcoll.store import tcp as tcp_module
 from tcoll.store.wire import MAGIC, NONCE, Op, encode, send_frame
 
 # Every test here may start threads (servers, ranks) or processes: none may hang the suite.
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftovers")]
 
 # -- helpers ---------------------------------------------------------------------------
 

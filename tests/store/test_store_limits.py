@@ -21,7 +21,7 @@ from tcoll.store import StoreLimitError, StoreLimits, TCPStore, TCPStoreServer
 from tcoll.store import tcp as tcp_module
 from tcoll.store.wire import ERROR, MAGIC, NONCE, OK, U32, Op, decode, encode, proof, recv_frame, send_frame
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftovers")]
 
 KEY = b"s3cret"
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.procs import free_port
 
 from tcoll.bench.compare import mpiexec
 from tcoll.transport.mpi import MpiTransport
@@ -52,11 +53,7 @@ def test_bench_compares_tcoll_over_mpi() -> None:
 
 @pytest.mark.timeout(90)
 def test_torch_backend_over_mpi(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     worker = str(Path(__file__).with_name("mpi_torch_worker.py"))
     done = _mpiexec(2, [worker, str(port), str(tmp_path)], {"TCOLL_TRANSPORT": "mpi", "TCOLL_TIMEOUT": "60"}, 80)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

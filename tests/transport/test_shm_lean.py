@@ -18,6 +18,7 @@ import mmap
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.procs import spawn_as
 
 import tcoll
 from tcoll import ANY_SOURCE, ANY_TAG
@@ -177,9 +178,7 @@ def test_a_sleeping_peer_is_woken_and_an_awake_one_costs_nothing(pair: Pair) -> 
 KERNELS = ["auto", "off"]
 
 
-def _spawn(fn, size: int, shm_kernel: str, *args) -> list:
-    return tcoll.spawn(fn, size, args, transport="shm", shm_kernel=shm_kernel, shm_ring=SIZE, shm_chunk=1024,
-                       timeout=60)
+LEAN = {"shm_ring": SIZE, "shm_chunk": 1024, "timeout": 60}  # the settings of every rank process below
 
 
 def mixed_order(comm: tcoll.Communicator, count: int) -> bool:
@@ -211,7 +210,7 @@ def mixed_order(comm: tcoll.Communicator, count: int) -> bool:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("shm_kernel", KERNELS)
 def test_messages_of_every_kind_keep_their_order(shm_kernel: str) -> None:
-    assert _spawn(mixed_order, 2, shm_kernel, 120) == [True, True]
+    assert spawn_as("shm", mixed_order, 2, 120, shm_kernel=shm_kernel, **LEAN) == [True, True]
 
 
 def claimed_first(comm: tcoll.Communicator) -> bool:
@@ -237,7 +236,7 @@ def claimed_first(comm: tcoll.Communicator) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("shm_kernel", KERNELS)
 def test_earlier_receives_and_wildcards_come_first(shm_kernel: str) -> None:
-    assert _spawn(claimed_first, 2, shm_kernel) == [True, True]
+    assert spawn_as("shm", claimed_first, 2, shm_kernel=shm_kernel, **LEAN) == [True, True]
 
 
 def sizes_and_collectives(comm: tcoll.Communicator) -> bool:
@@ -262,7 +261,7 @@ def sizes_and_collectives(comm: tcoll.Communicator) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("shm_kernel", KERNELS)
 def test_size_errors_and_collectives_between_messages(shm_kernel: str) -> None:
-    assert _spawn(sizes_and_collectives, 2, shm_kernel) == [True, True]
+    assert spawn_as("shm", sizes_and_collectives, 2, shm_kernel=shm_kernel, **LEAN) == [True, True]
 
 
 def many_to_one(comm: tcoll.Communicator, count: int) -> bool:
@@ -283,7 +282,7 @@ def many_to_one(comm: tcoll.Communicator, count: int) -> bool:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("size", [3, 5])
 def test_streams_from_several_peers_fill_and_wrap_their_rings(size: int) -> None:
-    assert _spawn(many_to_one, size, "auto", 150) == [True] * size
+    assert spawn_as("shm", many_to_one, size, 150, shm_kernel="auto", **LEAN) == [True] * size
 
 
 def _count_engine_posts(comm: tcoll.Communicator) -> list[int]:
@@ -319,9 +318,9 @@ def engine_calls(comm: tcoll.Communicator) -> int:
 @needs_kernel
 @pytest.mark.timeout(60)
 def test_the_lean_path_serves_blocking_calls_unless_turned_off() -> None:
-    taken = _spawn(engine_calls, 2, "auto")
+    taken = spawn_as("shm", engine_calls, 2, shm_kernel="auto", **LEAN)
     assert max(taken) <= 25, taken  # most go lean; a receive whose message comes after the lean spin does not
-    assert _spawn(engine_calls, 2, "off") == [100, 100]
+    assert spawn_as("shm", engine_calls, 2, shm_kernel="off", **LEAN) == [100, 100]
 
 
 BUFFER_KINDS = ["numpy-bfloat16", "torch", "torch-bfloat16", "torch-requires-grad"]
@@ -366,8 +365,8 @@ def test_tensors_and_bfloat16_arrays_go_lean_as_views_of_their_memory(kind: str)
     """A CPU tensor or bfloat16 array is sent and received through the kernel, byte for byte."""
     if kind.startswith("torch"):
         pytest.importorskip("torch")
-    assert _spawn(burst_calls, 2, "auto", kind, 40) == [(0, True), (0, True)]
-    assert _spawn(burst_calls, 2, "off", kind, 40) == [(80, True), (80, True)]
+    assert spawn_as("shm", burst_calls, 2, kind, 40, shm_kernel="auto", **LEAN) == [(0, True), (0, True)]
+    assert spawn_as("shm", burst_calls, 2, kind, 40, shm_kernel="off", **LEAN) == [(80, True), (80, True)]
 
 
 class Interrupted(Exception):
@@ -424,7 +423,7 @@ def interrupted_calls(comm: tcoll.Communicator, count: int) -> bool:
 @needs_kernel
 @pytest.mark.timeout(60)
 def test_an_exception_right_after_a_lean_call_leaves_the_stream_whole() -> None:
-    assert _spawn(interrupted_calls, 2, "auto", 40) == [True, True]
+    assert spawn_as("shm", interrupted_calls, 2, 40, shm_kernel="auto", **LEAN) == [True, True]
 
 
 def threads_on_one_engine(comm: tcoll.Communicator, count: int) -> bool:
@@ -463,7 +462,7 @@ def threads_on_one_engine(comm: tcoll.Communicator, count: int) -> bool:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("shm_kernel", KERNELS)
 def test_threads_of_a_rank_share_the_lean_path_and_the_engine(shm_kernel: str) -> None:
-    assert _spawn(threads_on_one_engine, 2, shm_kernel, 400) == [True, True]
+    assert spawn_as("shm", threads_on_one_engine, 2, 400, shm_kernel=shm_kernel, **LEAN) == [True, True]
 
 
 def sendrecv_ring(comm: tcoll.Communicator, rounds: int) -> bool:
@@ -484,4 +483,4 @@ def sendrecv_ring(comm: tcoll.Communicator, rounds: int) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("shm_kernel", KERNELS)
 def test_sendrecv_rings_send_at_once_and_refuse_bad_buffers_first(shm_kernel: str) -> None:
-    assert _spawn(sendrecv_ring, 3, shm_kernel, 300) == [True, True, True]
+    assert spawn_as("shm", sendrecv_ring, 3, 300, shm_kernel=shm_kernel, **LEAN) == [True, True, True]

@@ -9,11 +9,11 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.procs import on_threads
 
 from tcoll.p2p.channel import HEADER
 from tcoll.p2p.engine import Engine
@@ -47,29 +47,6 @@ except ImportError:  # pragma: no cover - the store package is written in parall
 CTX = 1
 
 
-def run_ranks(n: int, fn: Callable[[int], Any], join_timeout: float = 50.0) -> list[Any]:
-    """Run fn(rank) on n threads; re-raise the first failure; return the results."""
-    results: list[Any] = [None] * n
-    errors: list[BaseException | None] = [None] * n
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}") for r in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(join_timeout)
-        assert not thread.is_alive(), "a rank hung"
-    for error in errors:
-        if error is not None:
-            raise error
-    return results
-
-
 class World:
     """N engines in this process, each with a TcpTransport; connected through a store."""
 
@@ -87,7 +64,7 @@ class World:
             self.engines.append(engine)
             self.transports.append(transport)
         if connect:
-            run_ranks(n, lambda rank: self.connect_rank(rank, timeout))
+            on_threads(n, lambda rank: self.connect_rank(rank, timeout))
 
     def connect_rank(self, rank: int, timeout: float) -> None:
         """What bootstrap does for one rank: publish the card, read everyone's, connect."""
@@ -179,7 +156,7 @@ def test_64mib_posted_and_deferred(world2: World) -> None:
             late_small.wait()
             assert np.array_equal(out, data) and small[0] == 42
 
-    run_ranks(2, rank)
+    on_threads(2, rank)
 
 
 @pytest.mark.timeout(60)
@@ -199,7 +176,7 @@ def test_full_duplex_ring_shift_256mib() -> None:
             expected = np.arange(4096, dtype=np.uint8) ^ np.uint8(((r - 1) % 3) * 37)
             assert (out.reshape(-1, 4096) == expected).all()
 
-        run_ranks(3, rank)
+        on_threads(3, rank)
     finally:
         world.close()
 
@@ -220,7 +197,7 @@ def test_odd_sized_messages_stream_intact(world2: World) -> None:
             for i in list(range(1, 160, 2)) + list(range(0, 160, 2)):
                 b.irecv(outs[i], 0, CTX, i % 2).wait()
 
-    run_ranks(2, rank)
+    on_threads(2, rank)
     assert all((out == i % 251).all() for i, out in enumerate(outs))
 
 
@@ -246,7 +223,7 @@ def test_sleeping_engines_are_woken() -> None:
                 work.wait()
             assert (out == peer).all()
 
-        run_ranks(2, rank)
+        on_threads(2, rank)
     finally:
         world.close()
 
@@ -279,7 +256,7 @@ def test_all_pairs_five_ranks() -> None:
             for p, out in outs.items():
                 assert out.tolist() == [p, r, r * p]
 
-        run_ranks(5, rank)
+        on_threads(5, rank)
     finally:
         world.close()
 
@@ -320,7 +297,7 @@ def test_handshake_refuses_foreign_connections() -> None:
     try:
         host, port = world.transports[0].prepare().values()
         strays = _stray_connections(host, port)
-        run_ranks(2, lambda rank: world.connect_rank(rank, 10.0))
+        on_threads(2, lambda rank: world.connect_rank(rank, 10.0))
         answers = [_read_all(stray) for stray in strays[:3]]
         assert [answer[:1] for answer in answers] == [b"R", b"R", b"R"]
         assert b"not a tcoll connection" in answers[0]
@@ -356,7 +333,7 @@ def test_auth_key_match_and_mismatch() -> None:
                 errors[r] = exc
 
         started = time.monotonic()
-        run_ranks(2, rank)
+        on_threads(2, rank)
         assert time.monotonic() - started < 5
         assert isinstance(errors[1], TransportError) and "TCOLL_AUTH_KEY differs" in str(errors[1])
         assert isinstance(errors[0], TimeoutError) and errors[0].peers == [1]
@@ -441,7 +418,7 @@ def test_strangers_without_the_key_are_refused_before_their_payload(tmp_path) ->
         no_key = struct.pack("<8sHHIIH", b"TCOLLTCP", 1, 0, 1, 0, len(run_id)) + run_id
         strays[1].sendall(no_key + payload)  # claims rank 1 without a key
         strays[2].sendall(payload)  # a pickle straight away
-        run_ranks(2, lambda rank: world.connect_rank(rank, 10.0))
+        on_threads(2, lambda rank: world.connect_rank(rank, 10.0))
         answers = [_read_all(stray) for stray in strays]
         assert answers[0][:1] == b"C" and b"TCOLL_AUTH_KEY differs" in answers[0]
         assert answers[1][:1] == b"R" and b"TCOLL_AUTH_KEY is set on rank 0 only" in answers[1]

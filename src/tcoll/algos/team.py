@@ -107,7 +107,7 @@ class Team:
         on arrival instead of landing in the user's buffers or piling up.
         """
         for work in self._receives:
-            if not work._done:
+            if not work.finished:
                 self._engine.cancel(work)
         self._receives = []
         base = self.sequence * SUBTAGS
@@ -175,7 +175,7 @@ class CollectiveWork(Work):
 
     def peers(self) -> list[int]:
         """The world ranks that the requests still pending wait on."""
-        return sorted({peer for work in self._pending if not work._done for peer in work.peers()})
+        return sorted({peer for work in self._pending if not work.finished for peer in work.peers()})
 
     def _step(self, _completed: Work | None = None) -> None:
         """Resume the algorithm while what it waits on is complete; never re-entered."""
@@ -183,7 +183,7 @@ class CollectiveWork(Work):
             return
         engine = self._engine
         assert engine is not None
-        with engine._lock:  # completions happen under this lock: no missed callback
+        with engine.lock:  # completions happen under this lock: no missed callback
             self._stepping = True
             try:
                 self._advance()
@@ -195,10 +195,10 @@ class CollectiveWork(Work):
     def _advance(self) -> None:
         while True:
             for work in self._pending:
-                if not work._done:
+                if not work.finished:
                     work.add_done_callback(self._step)
                     return
-                error = work._error
+                error = work.failure
                 if isinstance(error, MismatchError):
                     raise self._explained(error)
                 if type(work) is RecvWork and work.nbytes != work.capacity and work.nbytes >= 0:
@@ -236,7 +236,7 @@ class CollectiveWork(Work):
         """
         engine = self._engine
         assert engine is not None
-        with engine._lock:  # another thread may be stepping this call
+        with engine.lock:  # another thread may be stepping this call
             if self._done:
                 return
             self._pending = []

@@ -12,7 +12,7 @@ from ..algos import hierarchy, select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..ops import Op
 from ..p2p.engine import Engine
-from ..shm.arena import Arena
+from ..shm.arena import Arena, agreed_slot
 
 __all__ = ["Chooser"]
 
@@ -57,7 +57,7 @@ class Chooser:
         info = self._choices.get(key)
         if info is None:
             direct = blocking and self.direct_capable()
-            if direct and itemsize * self.size > self.engine.settings.shm_slot:
+            if direct and itemsize * self.size > self.slot_bytes():
                 if algorithm == "shm":
                     raise ValueError(f"{collective} algorithm 'shm': items of {itemsize} B do not fit the "
                                      f"shared-memory slot of {self.size} ranks; raise TCOLL_SHM_SLOT")
@@ -113,6 +113,10 @@ class Chooser:
             slowest = next((kind for kind in ("tcp", "shm", "loopback") if kind in kinds), "shm")
             self._costs = select.COSTS[slowest]
         return self._costs
+
+    def slot_bytes(self) -> int:
+        """The bytes of an arena slot, as rank 0 will size it (TCOLL_SHM_SLOT, the same on every rank)."""
+        return agreed_slot(self.engine.settings.shm_slot, self.size)
 
     def direct_capable(self) -> bool:
         """Whether every rank shares this host, so that direct algorithms can run (found once)."""

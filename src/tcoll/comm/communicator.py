@@ -353,6 +353,15 @@ def _forget(comm: Communicator) -> None:
 _on_close: list[Any] = []  # called with each communicator as it closes (world forgets its default)
 
 
+def on_close(hook: Any) -> None:
+    """Call hook(comm) with each communicator as it closes, from now on.
+
+    Args:
+        hook: a callable taking the communicator; startup uses it to forget a closed default.
+    """
+    _on_close.append(hook)
+
+
 @atexit.register
 def _close_all() -> None:
     with _live_lock:

@@ -342,7 +342,7 @@ class Dispatcher:
 
     def _settle(self, running: Running, work: CollectiveWork) -> None:
         """A call's (last) Work completed or failed: tell the agreement."""
-        error = work._error
+        error = work.failure
         if error is None:
             self.agreement.end(running, sent_only=not work.received)
         else:

@@ -127,21 +127,26 @@ def hosts(comm: Communicator) -> HostMap:
     return comm._engine.hosts.restrict(comm.world_ranks)
 
 
-def split_type(comm: Communicator, kind: str = "host", key: int | None = None) -> Communicator:
+def split_type(comm: Communicator, kind: str | None = "host", key: int | None = None) -> Communicator | None:
     """The ranks of this communicator that share this rank's host; collective (MPI_Comm_split_type).
 
+    A rank that passes kind None joins no new communicator (MPI_UNDEFINED,
+    as split(color=None)); the others' communicators leave it out.
+
     Args:
-        kind: "host" (or its MPI alias "shared"): ranks that share a kernel and /dev/shm.
+        kind: "host" (or its MPI alias "shared"): ranks that share a kernel and /dev/shm; None: none.
         key: orders the ranks of the new communicator (default: this rank).
 
     Returns:
-        The host-local communicator.
+        The host-local communicator, or None for kind None.
 
     Raises:
         ValueError: an unknown kind.
     """
+    if kind is None:
+        return split(comm, None, key)
     if kind not in ("host", "shared"):
-        raise ValueError(f"split_type kind must be 'host' (alias 'shared'), not {kind!r}")
+        raise ValueError(f"split_type kind must be 'host' (alias 'shared') or None, not {kind!r}")
     child = split(comm, hosts(comm).host_of[comm.rank], key)
     assert child is not None
     return child

@@ -123,8 +123,8 @@ class ObjectRecvWork(Work):
         """Whether `work` completed and filled `buf` exactly; else the object receive fails."""
         if self._done:
             return False
-        if work._error is not None:
-            self._fail(work._error)
+        if work.failure is not None:
+            self._fail(work.failure)
             return False
         got = work.nbytes  # type: ignore[attr-defined]
         if got != buf.nbytes:
@@ -138,7 +138,7 @@ class ObjectRecvWork(Work):
         return self._comm._engine.irecv(buf.view(np.uint8), head.peer, head.ctx | _PARTS, head.tag)
 
     def _got_record_locked(self, head: Work) -> None:
-        with self._comm._engine._lock:  # the record may have come at once, on the user's thread
+        with self._comm._engine.lock:  # the record may have come at once, on the user's thread
             self._got_record(head)
 
     def _got_record(self, head: Work) -> None:
@@ -255,7 +255,7 @@ def sendrecv_object(comm: Communicator, obj: Any, dst: int, src: int, sendtag: i
     except BaseException:
         receive.cancel()
         raise
-    work = GroupWork(comm._engine, [receive, send], lambda: receive._value,
+    work = GroupWork(comm._engine, [receive, send], receive.result,
                      f"sendrecv_object (to rank {dst}, from rank {src})", receive)
     if async_op:
         return work

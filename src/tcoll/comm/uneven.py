@@ -238,7 +238,7 @@ def all_to_allv(comm: Communicator, chunks: Any, *, algorithm: str = "auto", asy
     """
     views = chunk_views(chunks, comm.size, "all_to_allv")
     mine = _header(chunks[0], [v.shape[0] for v in views])
-    if not async_op and algorithm in ("auto", "shm") and comm._dispatch.direct_capable():
+    if not async_op and algorithm in ("auto", "shm") and _direct(comm, mine.size, algorithm):
         return _all_to_allv_direct(comm, chunks[0], views, mine)
     send = np.concatenate([v.reshape(-1) for v in views])
     _check_algorithm(comm, "all_to_all", algorithm, send.nbytes, async_op)
@@ -267,8 +267,31 @@ def _all_to_allv_steps(comm: Communicator, like: Any, first: np.ndarray, mine: n
     return _split(user_out, recv_rows)
 
 
-def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray], mine: np.ndarray) -> list[Any]:
+def _direct(comm: Communicator, width: int, algorithm: str) -> bool:
+    """Whether a blocking all_to_allv runs on the arena (else "auto" makes it a program of two steps).
+
+    It needs every rank on this host, and a slot that holds the headers
+    (`width` bytes each) with room for a byte per rank after them.
+
+    Raises:
+        ValueError: algorithm "shm", and the slot is too small.
+    """
+    if not comm._dispatch.direct_capable():
+        return False
+    slot = comm._dispatch.chooser.slot_bytes()
+    if comm.size == 1 or slot >= width + comm.size:
+        return True
+    if algorithm == "shm":
+        raise ValueError(f"all_to_allv algorithm 'shm': the shared-memory slot ({slot} B) cannot hold the "
+                         f"counts of {comm.size} ranks ({width} B each); raise TCOLL_SHM_SLOT")
+    return False
+
+
+def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray],
+                        mine: np.ndarray) -> list[Any] | None:
     """all_to_allv in one call on the arena: the headers travel in its first step, with the data."""
+    if comm._dispatch.capturing:  # a plan: its runs call all_to_allv anew (the result is made in arrived)
+        return None
     first, rank, size = views[0], comm.rank, comm.size
     trailing, dtype = first.shape[1:], first.dtype
     row_bytes = math.prod(trailing) * dtype.itemsize

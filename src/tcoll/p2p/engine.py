@@ -62,7 +62,7 @@ class Engine:
         self.channels: list[Channel | None] = [None] * size
         self.lean: list[Channel | None] = [None] * size  # the channels with a lean blocking path, by peer
         self._active: list[Channel] = []
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # completions and their callbacks run under it: hold it to step a call
         self.matcher = Matcher(self)
         # Channels call these for every message: bound here, with no layer in between.
         self.match = self.matcher.match
@@ -91,7 +91,7 @@ class Engine:
 
     def add_channel(self, channel: Channel) -> None:
         """Route messages to and from channel.peer through `channel`."""
-        with self._lock:
+        with self.lock:
             self.channels[channel.peer] = channel
             self._active.append(channel)
             if channel.lean and self.timeline is None:  # a traced run sees every message go through isend
@@ -123,7 +123,7 @@ class Engine:
 
     def cancel(self, work: RecvWork) -> bool:
         """Withdraw a posted receive that no message has matched yet (see Matcher.cancel)."""
-        with self._lock:
+        with self.lock:
             withdrawn = self.matcher.cancel(work)
             if withdrawn:
                 self._wake_own()
@@ -131,12 +131,12 @@ class Engine:
 
     def abandon(self, ctx: int, lo: int, hi: int) -> None:
         """Discard messages with context `ctx` and a tag in [lo, hi): those of a call that failed here."""
-        with self._lock:
+        with self.lock:
             self.matcher.abandon(ctx, lo, hi)
 
     def watch(self, ctx: int, watch: BlockWatch | None) -> None:
         """Classify the messages of context `ctx` that no receive takes with `watch` (None: stop)."""
-        with self._lock:
+        with self.lock:
             self.matcher.watch(ctx, watch)
 
     # -- posting -------------------------------------------------------------
@@ -147,7 +147,7 @@ class Engine:
         work = SendWork(self, peer, ctx, tag, data, user_buffer, stamp)
         if self.timeline is not None:
             self.timeline.sent(peer, ctx, tag, int(data.nbytes))
-        with self._lock:
+        with self.lock:
             self._check_peer(peer)
             if peer == self.rank:
                 self._send_to_self(work)
@@ -164,7 +164,7 @@ class Engine:
         work = RecvWork(self, peer, ctx, tag, data, user_buffer, stamp=stamp)
         if self.timeline is not None:
             work.add_done_callback(self._traced)
-        with self._lock:
+        with self.lock:
             if not self.matcher.post(work):
                 self._check_peer(peer)  # what a lost peer sent before it went is still delivered
                 self.matcher.queue(work)
@@ -180,12 +180,12 @@ class Engine:
             True if sent (`buf` may be reused); False if nothing was done (then isend it).
         """
         channel = self.lean[peer]
-        if channel is None or not self._lock.acquire(False):  # another thread in the engine: it waits its turn
+        if channel is None or not self.lock.acquire(False):  # another thread in the engine: it waits its turn
             return False
         try:
             return channel.send_now(ctx, tag, buf)
         finally:
-            self._lock.release()
+            self.lock.release()
 
     def recv_now(self, buf: Any, peer: int, ctx: int, tag: int) -> bool:
         """Receive a user message at once through the lean path of `peer`'s channel, if the common case holds.
@@ -198,7 +198,7 @@ class Engine:
             True if received into `buf`; False if nothing was taken (then irecv it).
         """
         channel = self.lean[peer]
-        if channel is None or not self._lock.acquire(False):
+        if channel is None or not self.lock.acquire(False):
             return False
         try:
             matcher = self.matcher
@@ -207,7 +207,7 @@ class Engine:
                 return False
             return channel.recv_now(ctx, tag, buf, self.lean_spin_ns, self.lean_yields)
         finally:
-            self._lock.release()
+            self.lock.release()
 
     def _traced(self, work: Work) -> None:
         """Note a completed receive on the timeline (a failed one moved no message)."""
@@ -235,11 +235,11 @@ class Engine:
             key = matcher.earliest(peer, ctx, tag)
             return None if key is None else matcher.unexpected[key][0]
 
-        with self._lock:
+        with self.lock:
             matcher.probing += 1
         try:
             while True:
-                with self._lock:
+                with self.lock:
                     self._progress()
                     message = found()
                     if message is None and peer >= 0:
@@ -253,7 +253,7 @@ class Engine:
                                        [peer] if peer >= 0 else [])
                 self.block_unless(lambda: found() is not None, min(left, self.settings.liveness_interval))
         finally:
-            with self._lock:
+            with self.lock:
                 matcher.probing -= 1
 
     def _check_peer(self, peer: int) -> None:
@@ -282,7 +282,7 @@ class Engine:
 
     def poll(self) -> bool:
         """Make one round of progress on every channel; True if anything moved."""
-        with self._lock:
+        with self.lock:
             return self._progress()
 
     def _wake_own(self) -> None:
@@ -346,7 +346,7 @@ class Engine:
         spin_start = start
         blocked = False
         while not work._done:
-            with self._lock:
+            with self.lock:
                 moved = self._progress()
             if work._done:
                 break
@@ -389,7 +389,7 @@ class Engine:
         alike, so one sleep serves both.
         """
         bell = self.doorbell  # the same one throughout, even if close() swaps it meanwhile
-        with self._lock:
+        with self.lock:
             seq = bell.prepare_sleep()
             if self._progress() or ready() or self.closed:
                 bell.end_sleep()
@@ -397,7 +397,7 @@ class Engine:
         try:
             bell.sleep(seq, timeout)
         finally:
-            with self._lock:
+            with self.lock:
                 bell.end_sleep()
 
     def _check_liveness(self, work: Work) -> None:
@@ -406,7 +406,7 @@ class Engine:
         What a peer sent before it died is taken in first: its last message
         must not be lost because the check came before the progress.
         """
-        with self._lock:
+        with self.lock:
             self._progress()
             for peer in work.peers():
                 channel = self.channels[peer] if 0 <= peer < self.size else None
@@ -425,7 +425,7 @@ class Engine:
         Raises:
             PeerLostError: naming the first peer found gone.
         """
-        with self._lock:
+        with self.lock:
             self._progress()
             for peer in peers:
                 lost = self._lost.get(peer)
@@ -449,7 +449,7 @@ class Engine:
 
     def fail_peer(self, peer: int, error: PeerLostError) -> None:
         """Fail every operation pending on `peer` and refuse new ones."""
-        with self._lock:
+        with self.lock:
             if peer in self._lost:
                 return
             if self.hosts.count > 1 and "host " not in error.detail:
@@ -480,7 +480,7 @@ class Engine:
 
     def close(self) -> None:
         """Close every channel; pending operations fail."""
-        with self._lock:
+        with self.lock:
             if self.closed:
                 return
             self.closed = True

@@ -89,6 +89,16 @@ class Work:
         """Names the operation in error messages, e.g. "recv from rank 3 (tag 7)"."""
         return self._description
 
+    @property
+    def finished(self) -> bool:
+        """Whether the operation has completed or failed, as of now (done() makes progress first)."""
+        return self._done
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error the operation failed with, or None, as of now (exception() makes progress first)."""
+        return self._error
+
     def peers(self) -> list[int]:
         """The world ranks this operation still waits on (for timeout and liveness)."""
         return []

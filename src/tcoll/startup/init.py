@@ -8,7 +8,7 @@ import re
 import threading
 from typing import Any
 
-from ..comm.communicator import Communicator, _on_close, track
+from ..comm.communicator import Communicator, on_close, track
 from ..env import Settings
 from ..store.base import Store
 from . import keys, rendezvous
@@ -118,7 +118,7 @@ def _forget_default(comm: Communicator) -> None:
             _default = None
 
 
-_on_close.append(_forget_default)
+on_close(_forget_default)
 
 
 def default_communicator() -> Communicator:
