@@ -17,7 +17,7 @@ __all__ = ["Settings", "parse_size", "read_variables", "TRANSPORT_CHOICES"]
 TRANSPORT_CHOICES = ("auto", "shm", "tcp", "mpi")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
-_SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk", "shm_slot")
+_SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk", "shm_slot", "shm_one_step")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -99,6 +99,10 @@ class Settings:
             chain); small values exercise the multi-chunk paths (TCOLL_COLL_CHUNK).
         shm_slot: bytes each rank stages per step of the shared-memory direct collectives;
             larger messages are pipelined through its two slots (TCOLL_SHM_SLOT).
+        shm_one_step: the largest shared-memory all_reduce/reduce, in bytes, that runs in one arena
+            step (every rank reduces every vector); -1: the measured default for the host's rank count
+            (tcoll.shm.vector.ONE_STEP_LIMITS). Rank 0's value rules, as for shm_slot
+            (TCOLL_SHM_ONE_STEP).
         shm_kernel: "auto": the arena's steps of reductions, and blocking sends and receives between
             ranks of one host, run in the package's C kernels where they were built; "off": always
             in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
@@ -121,6 +125,7 @@ class Settings:
     auth_key: str = ""
     coll_chunk: int = 1 << 20
     shm_slot: int = 1 << 20
+    shm_one_step: int = -1
     shm_kernel: str = "auto"
     algorithms: str = ""
 
@@ -140,6 +145,7 @@ class Settings:
         "auth_key": ("TCOLL_AUTH_KEY", str),
         "coll_chunk": ("TCOLL_COLL_CHUNK", parse_size),
         "shm_slot": ("TCOLL_SHM_SLOT", parse_size),
+        "shm_one_step": ("TCOLL_SHM_ONE_STEP", parse_size),
         "shm_kernel": ("TCOLL_SHM_KERNEL", str),
         "algorithms": ("TCOLL_ALGO", str),
     }
@@ -201,6 +207,8 @@ class Settings:
             raise ValueError(f"coll_chunk must be at least 16 bytes, not {self.coll_chunk}")
         if self.shm_slot < 64:
             raise ValueError(f"shm_slot must be at least 64 bytes, not {self.shm_slot}")
+        if self.shm_one_step < -1:
+            raise ValueError(f"shm_one_step must be a byte count (or -1, the default), not {self.shm_one_step}")
         if self.shm_kernel not in ("auto", "off"):
             raise ValueError(f"shm_kernel must be 'auto' or 'off', not {self.shm_kernel!r}")
         if self.bind not in ("auto", "none"):

@@ -17,6 +17,7 @@ from tcoll.algos import stamps
 from tcoll.errors import MismatchError, TimeoutError
 from tcoll.segments import Segment
 from tcoll.shm import arena as arena_module
+from tcoll.shm import address as address_module
 
 
 def _arena(comm: tcoll.Communicator) -> arena_module.Arena:
@@ -118,18 +119,18 @@ def test_a_wait_that_times_out_names_the_lagging_rank() -> None:
 
 def test_addresses_round_trip_and_an_empty_one_means_failure() -> None:
     named = Segment("/dev/shm/tcoll-x-0-arenaabc", 0, None)
-    encoded = arena_module.encode_address(1 << 20, named)
-    assert encoded.size == arena_module.ADDRESS_BYTES
-    assert arena_module.decode_address(encoded) == (1 << 20, "/dev/shm/tcoll-x-0-arenaabc", None)
+    encoded = address_module.encode_address(1 << 20, 16 << 10, named)
+    assert encoded.size == address_module.ADDRESS_BYTES
+    assert address_module.decode_address(encoded) == (1 << 20, 16 << 10, "/dev/shm/tcoll-x-0-arenaabc", None)
     # the longest: a 64-character run id, a memfd's /proc path and its name
     memfd = Segment(f"/proc/{2**22}/fd/1048576", 0, None)
     memfd.name = segments.segment_name("r" * 64, 4095, "arena" + "f" * 12)
-    found = arena_module.decode_address(arena_module.encode_address(1 << 40, memfd))
-    assert found == (1 << 40, memfd.path, memfd.name)
-    assert arena_module.decode_address(np.zeros(arena_module.ADDRESS_BYTES, dtype=np.uint8)) is None
+    found = address_module.decode_address(address_module.encode_address(1 << 40, 1 << 40, memfd))
+    assert found == (1 << 40, 1 << 40, memfd.path, memfd.name)
+    assert address_module.decode_address(np.zeros(address_module.ADDRESS_BYTES, dtype=np.uint8)) is None
 
 
 def test_slot_sizes_hold_a_share_per_rank_and_align() -> None:
-    assert arena_module.agreed_slot(100, 4) == 256  # 64 bytes per rank at least
-    assert arena_module.agreed_slot(1000, 2) == 1024  # rounded up to 64
+    assert address_module.agreed_slot(100, 4) == 256  # 64 bytes per rank at least
+    assert address_module.agreed_slot(1000, 2) == 1024  # rounded up to 64
     assert arena_module.arena_bytes(2, 1024) % 4096 == 0

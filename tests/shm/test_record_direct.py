@@ -13,8 +13,10 @@ from tcoll.algos.registry import REGISTRY
 from tcoll.algos.topology import part_bounds
 from tcoll.comm.describe import META_BYTES
 from tcoll.shm import record as shm_record
-from tcoll.shm.arena import ZERO_COPY_BYTES, agreed_slot
+from tcoll.shm.address import agreed_slot
+from tcoll.shm.arena import ZERO_COPY_BYTES
 from tcoll.shm.record import record_direct
+from tcoll.shm.vector import one_step_limit
 
 DIRECT = [(collective, name) for collective, infos in REGISTRY.items() for name, info in infos.items() if info.direct]
 # (elements per rank or block, TCOLL_SHM_SLOT): one step; many small slots; large enough to lend (one more step)
@@ -38,7 +40,7 @@ def expected(collective: str, size: int, rank: int, count: int, slot: int, root:
         return (0, 0), 0, 0
     if collective in ("all_reduce", "reduce"):
         gets = collective == "all_reduce" or rank == root
-        if n <= slot and n <= (16 << 10 if p == 2 else 128 << 10):  # one step: each rank reduces all slots
+        if n <= slot and n <= one_step_limit(p):  # one step: each rank reduces all slots
             return (n, 0), (p - 1) * n if gets else 0, 1
         parts = [part_bounds(min(piece, n - lo) // ITEM, p, rank) for lo in range(0, n, piece)]
         mine = ITEM * sum(hi - lo for lo, hi in parts)  # this rank's 1/p of every piece

@@ -12,7 +12,8 @@ from ..algos import hierarchy, select
 from ..algos.registry import AlgorithmInfo, lookup
 from ..ops import Op
 from ..p2p.engine import Engine
-from ..shm.arena import Arena, agreed_slot
+from ..shm.address import agreed_slot
+from ..shm.arena import Arena
 
 __all__ = ["Chooser"]
 

@@ -36,8 +36,10 @@ from ..errors import MismatchError, TcollError, TransportError
 from ..p2p import timeline
 from ..p2p.engine import Engine
 from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
-from ..shm.arena import ADDRESS_BYTES, Arena, agreed_slot, create_segment, decode_address, encode_address, open_segment
+from ..shm.address import ADDRESS_BYTES, agreed_slot, create_segment, decode_address, encode_address, open_segment
+from ..shm.arena import Arena
 from ..shm.heap import heap_of
+from ..shm.vector import one_step_limit
 from .agreement import ARENA_TAGS, Agreement, Running
 from .choice import Chooser
 from .calls import Call, Prepared, Program
@@ -389,8 +391,9 @@ class Dispatcher:
         raises a mismatch, and tells the others, instead of leaving them
         waiting for it. Every rank then maps the segment; after a second
         barrier (all have mapped) rank 0 unlinks the file, so nothing is left
-        in /dev/shm even if the job is killed later. Rank 0's slot size rules,
-        so a differing setting cannot skew the layout.
+        in /dev/shm even if the job is killed later. Rank 0's slot size and
+        one-step limit rule, so a differing setting cannot skew the layout or
+        the steps.
 
         Raises:
             TransportError: the segment cannot be created or mapped.
@@ -401,9 +404,11 @@ class Dispatcher:
         segment, failure = None, None
         if self.rank == 0:
             slot = agreed_slot(self.engine.settings.shm_slot, self.size)
+            one_step = self.engine.settings.shm_one_step
+            one_step = one_step_limit(self.size) if one_step < 0 else one_step
             try:
                 segment = create_segment(self.run_id, self.engine.rank, self.size, slot, self.engine.host_shares_pids)
-                address = encode_address(slot, segment)
+                address = encode_address(slot, one_step, segment)
             except TransportError as exc:
                 failure = exc  # the others learn it from the empty address
         try:
@@ -415,14 +420,14 @@ class Dispatcher:
             found = decode_address(address)
             if found is None:
                 raise TransportError("rank 0 could not create the shared-memory collective arena")
-            slot, path, name = found
+            slot, one_step, path, name = found
             if segment is None:
                 segment = open_segment(path, name)
             self._arena_barrier(team, opening, running)
         finally:
             if self.rank == 0 and segment is not None:
                 segment.unlink()
-        return Arena(self.engine, self.world, self.rank, segment, slot, heap_of(self.engine, self.run_id))
+        return Arena(self.engine, self.world, self.rank, segment, slot, heap_of(self.engine, self.run_id), one_step)
 
     def _arena_barrier(self, team: Team, description: str, running: Running) -> None:
         """A barrier among the ranks opening the arena, on phase 6 (twice: FIFO keeps the rounds apart)."""

@@ -26,7 +26,6 @@ point-to-point traffic, so a sleeping rank still moves its messages.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, Tra
 from ..p2p import notice
 from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
-from ..segments import Segment, new_segment, segment_name
+from ..segments import Segment
 
 try:  # the small reduction step in C (_arena_kernel.c), built with the package where a compiler is
     from . import _arena_kernel as kernel_module
@@ -48,16 +47,14 @@ except ImportError:  # pragma: no cover - built without it: the same steps run i
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "reduce_into", "copy_bytes", "SETS", "ZERO_COPY_BYTES", "ADDRESS_BYTES",
-           "agreed_slot", "create_segment", "open_segment", "encode_address", "decode_address"]
+__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "reduce_into", "copy_bytes", "SETS", "ZERO_COPY_BYTES",
+           "arena_bytes"]
 
 SETS = 2  # slot sets: step k uses set k % SETS
 _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress per so many polls
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
 _DESC_WORDS = 8  # per rank and set: call stamp (2 words), sequence, zero-copy buffer (heap id, offset, nbytes)
 _WORD = (1 << 64) - 1
-ADDRESS_BYTES = 256  # an arena's address as rank 0 broadcasts it: "<slot bytes>:<path>:<memfd name>"
-_HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
 # What the C kernel reduces (codes of _arena_kernel.c); anything else is reduced in Python.
 KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
@@ -136,11 +133,12 @@ class Arena:
     """
 
     def __init__(self, engine: Engine, world: list[int], rank: int, segment: Segment, slot_bytes: int,
-                 heap: Any) -> None:
+                 heap: Any, one_step_bytes: int) -> None:
         buf = segment.map
         self.rank = rank
         self.size = len(world)
         self.slot_bytes = slot_bytes
+        self.one_step_bytes = one_step_bytes  # rank 0's limit of one-step reductions (tcoll.shm.vector)
         self.step = 0
         self.timeout = engine.settings.timeout
         self.heap = heap
@@ -455,49 +453,3 @@ def _layout(size: int) -> tuple[int, int]:
 def arena_bytes(size: int, slot: int) -> int:
     """Bytes of the segment of an arena of `size` ranks with slots of `slot` bytes."""
     return _layout(size)[1] + SETS * size * slot
-
-
-def agreed_slot(setting: int, size: int) -> int:
-    """The slot size rank 0 chooses from its setting (every rank then uses rank 0's)."""
-    return max(64 * size, (setting + 63) & ~63)
-
-
-def create_segment(run_id: str, world_rank: int, size: int, slot: int, anonymous: bool = True) -> Segment:
-    """Create the segment of a new arena (rank 0 does, then tells the others its address).
-
-    Args:
-        anonymous: a memfd (every rank of the host sees rank 0's pid), else a file in /dev/shm.
-
-    Raises:
-        TransportError: no room in memory or /dev/shm.
-    """
-    name = segment_name(run_id, world_rank, "arena" + secrets.token_hex(6))
-    return new_segment(name, arena_bytes(size, slot), anonymous=anonymous, hint=_HINT)
-
-
-def open_segment(path: str, name: str | None) -> Segment:
-    """Map the segment of an arena that rank 0 created (`name`: its memfd's name, None for a file).
-
-    Raises:
-        TransportError: it cannot be mapped, or its /proc path no longer holds that memfd.
-    """
-    return Segment.open(path, name)
-
-
-def encode_address(slot: int, segment: Segment) -> np.ndarray:
-    """The ADDRESS_BYTES rank 0 broadcasts: slot size, path and memfd name of `segment` (all zero: it failed)."""
-    out = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
-    encoded = f"{slot}:{segment.path}:{segment.name or ''}".encode()
-    if len(encoded) > ADDRESS_BYTES:
-        raise TransportError(f"the arena's address {encoded!r} exceeds {ADDRESS_BYTES} bytes")
-    out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
-    return out
-
-
-def decode_address(address: np.ndarray) -> tuple[int, str, str | None] | None:
-    """(slot, path, memfd name or None) from what encode_address made, or None if rank 0 could not create it."""
-    text = bytes(address).rstrip(b"\0").decode()
-    if not text:
-        return None
-    slot, path, name = text.split(":")  # names and paths are made of run ids, which hold no ':'
-    return int(slot), path, name or None

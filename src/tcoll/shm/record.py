@@ -35,7 +35,9 @@ import numpy as np
 from ..algos.record import Reduction, Schedule, SlotAccess, call_arguments
 from ..algos.registry import lookup
 from ..ops import Op, as_op
-from .arena import ZERO_COPY_BYTES, agreed_slot
+from .address import agreed_slot
+from .arena import ZERO_COPY_BYTES
+from .vector import one_step_limit
 
 __all__ = ["RecordingArena", "SlotView", "record_direct", "HEADER_BYTES"]
 
@@ -103,6 +105,7 @@ class RecordingArena:
     def __init__(self, schedule: Schedule, rank: int, slot_bytes: int) -> None:
         self.schedule = schedule
         self.rank, self.size, self.slot_bytes = rank, schedule.size, slot_bytes
+        self.one_step_bytes = one_step_limit(self.size)  # as rank 0 of a real arena hands it out
         self.step = self.first = 0
         self.heap = None
         self.kernel = None  # the schedule is the one the Python steps (which the C kernel mirrors) take

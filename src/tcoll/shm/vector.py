@@ -20,6 +20,9 @@ components and of oneCCL, reduced to a step counter per rank.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 
 from ..algos.registry import Costs, algorithm
@@ -32,18 +35,41 @@ from .arena import (KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, k
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
 
-__all__ = ["SMALL_BYTES", "one_step", "all_reduce", "reduce", "broadcast", "barrier"]
+__all__ = ["ONE_STEP_LIMITS", "one_step", "one_step_limit", "set_one_step_limit", "all_reduce", "reduce",
+           "broadcast", "barrier"]
 
-SMALL_BYTES = 128 << 10  # all_reduce/reduce up to this on more than 2 ranks: one step, every rank reduces
-# the whole vector from every slot. It reads p vectors where the steps of _reduce_split read one, but it
-# synchronises once and writes the result straight into the caller's buffer: measured faster up to 128 KiB
-# on 4 ranks (docs/performance.md).
-SMALL_BYTES_2 = 16 << 10  # the same on 2 ranks: above it each rank reducing half (_reduce_split) is faster
+# An all_reduce/reduce up to this many bytes runs in one step, every rank reducing the whole vector from
+# every slot, by the number of ranks on the host; larger, in three steps where each rank reduces 1/p. The
+# one step reads p vectors where the three read about one, but synchronises once and writes the result
+# straight into the caller's buffer, so its limit falls as ranks grow. Measured with
+# benchmarks/shm_thresholds.py (docs/performance.md): 2 and 4 ranks on the 2-core EPYC and Xeon, 8 and
+# 16 on the 16-core Xeon. A count between two entries takes the nearer one (by ratio).
+ONE_STEP_LIMITS = {2: 16 << 10, 4: 128 << 10, 8: 32 << 10, 16: 8 << 10}
+_limit_override: int | None = None  # set_one_step_limit (benchmarks only)
 
 
-def one_step(nbytes: int, size: int, slot_bytes: int) -> bool:
-    """Whether an all_reduce/reduce of `nbytes` on `size` ranks runs in one step (the same on every rank)."""
-    return nbytes <= slot_bytes and nbytes <= (SMALL_BYTES_2 if size == 2 else SMALL_BYTES)
+def one_step_limit(size: int) -> int:
+    """The largest all_reduce/reduce, in bytes, that runs in one step on `size` ranks by default
+    (ONE_STEP_LIMITS; TCOLL_SHM_ONE_STEP replaces it, through rank 0's arena)."""
+    nearest = min(ONE_STEP_LIMITS, key=lambda ranks: abs(math.log(size / ranks)))
+    return ONE_STEP_LIMITS[nearest]
+
+
+def set_one_step_limit(limit: int | None) -> None:
+    """Force the one-step limit of every arena of this process (None: each arena's own again).
+
+    For benchmarks/shm_thresholds.py, which measures both sides of it: every rank must set the same
+    value before the same call, since ranks that took different steps would read each other's slots
+    wrongly (TCOLL_SHM_ONE_STEP, which rank 0's arena hands to all, is the setting for users).
+    """
+    global _limit_override
+    _limit_override = limit
+
+
+def one_step(nbytes: int, arena: Any) -> bool:
+    """Whether an all_reduce/reduce of `nbytes` runs in one step of `arena` (the same on every rank)."""
+    limit = arena.one_step_bytes if _limit_override is None else _limit_override
+    return nbytes <= arena.slot_bytes and nbytes <= limit
 
 
 def _raw(arr: np.ndarray) -> np.ndarray:
@@ -55,7 +81,7 @@ def _raw(arr: np.ndarray) -> np.ndarray:
 def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
-    if one_step(nbytes, size, 1 << 20):
+    if nbytes <= min(1 << 20, one_step_limit(size)):
         return ARENA_SYNC + nbytes * ARENA_COPY + (size - 1) * nbytes * ARENA_REDUCE
     steps = 2 * -(-nbytes // (1 << 20))  # the others' parts in, its own part's result, the others' parts out
     return steps * ARENA_SYNC + (2 * size - 1) / size * nbytes * ARENA_COPY + (size - 1) / size * nbytes * ARENA_REDUCE
@@ -74,7 +100,7 @@ def all_reduce(arena: Arena, buf: np.ndarray, op: Op) -> None:
     copy every rank's part out. Memory traffic per rank: n bytes in, n bytes
     reduced from p inputs / p, n bytes out. Operands in rank order.
     """
-    if 1 < arena.size and one_step(buf.nbytes, arena.size, arena.slot_bytes):
+    if 1 < arena.size and one_step(buf.nbytes, arena):
         _reduce_small(arena, buf, op, None)  # the common small call, one Python call sooner
     else:
         _reduce_direct(arena, buf, op, None)
@@ -94,7 +120,7 @@ def reduce(arena: Arena, buf: np.ndarray, op: Op, root: int) -> None:
 def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
     if arena.size == 1:
         return
-    if one_step(buf.nbytes, arena.size, arena.slot_bytes):
+    if one_step(buf.nbytes, arena):
         _reduce_small(arena, buf, op, root)
     elif buf.nbytes <= arena.slot_bytes:
         _reduce_split(arena, buf, op, root)

@@ -1,0 +1,68 @@
+"""Where an arena lives: rank 0 creates its segment and broadcasts an address, the others open it.
+
+The address is the one message that makes an arena common to its ranks: rank 0's slot size and one-step
+limit travel with it, so every rank lays out and steps the arena alike whatever its own settings.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+
+from ..errors import TransportError
+from ..segments import Segment, new_segment, segment_name
+from .arena import arena_bytes
+
+__all__ = ["ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment", "encode_address", "decode_address"]
+
+ADDRESS_BYTES = 256  # an arena's address as rank 0 broadcasts it: "<slot>:<one-step limit>:<path>:<memfd name>"
+_HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
+
+
+def agreed_slot(setting: int, size: int) -> int:
+    """The slot size rank 0 chooses from its setting (every rank then uses rank 0's)."""
+    return max(64 * size, (setting + 63) & ~63)
+
+
+def create_segment(run_id: str, world_rank: int, size: int, slot: int, anonymous: bool = True) -> Segment:
+    """Create the segment of a new arena (rank 0 does, then tells the others its address).
+
+    Args:
+        anonymous: a memfd (every rank of the host sees rank 0's pid), else a file in /dev/shm.
+
+    Raises:
+        TransportError: no room in memory or /dev/shm.
+    """
+    name = segment_name(run_id, world_rank, "arena" + secrets.token_hex(6))
+    return new_segment(name, arena_bytes(size, slot), anonymous=anonymous, hint=_HINT)
+
+
+def open_segment(path: str, name: str | None) -> Segment:
+    """Map the segment of an arena that rank 0 created (`name`: its memfd's name, None for a file).
+
+    Raises:
+        TransportError: it cannot be mapped, or its /proc path no longer holds that memfd.
+    """
+    return Segment.open(path, name)
+
+
+def encode_address(slot: int, one_step: int, segment: Segment) -> np.ndarray:
+    """The ADDRESS_BYTES rank 0 broadcasts: slot size, one-step limit, path and memfd name of `segment` (all
+    zero: it failed). Every rank takes rank 0's slot and limit, so the ranks' settings cannot disagree."""
+    out = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
+    encoded = f"{slot}:{one_step}:{segment.path}:{segment.name or ''}".encode()
+    if len(encoded) > ADDRESS_BYTES:
+        raise TransportError(f"the arena's address {encoded!r} exceeds {ADDRESS_BYTES} bytes")
+    out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+    return out
+
+
+def decode_address(address: np.ndarray) -> tuple[int, int, str, str | None] | None:
+    """(slot, one-step limit, path, memfd name or None) from what encode_address made, or None if rank 0 could
+    not create it."""
+    text = bytes(address).rstrip(b"\0").decode()
+    if not text:
+        return None
+    slot, one_step, path, name = text.split(":")  # names and paths are made of run ids, which hold no ':'
+    return int(slot), int(one_step), path, name or None
