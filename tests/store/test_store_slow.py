@@ -13,7 +13,7 @@ import pytest
 
 from tcoll.errors import RendezvousError
 from tcoll.store import StoreLimits, TCPStore, TCPStoreServer
-from tcoll.store.tcp_server import SMALL_REQUEST
+from tcoll.store.limits import SMALL_REQUEST
 from tcoll.store.wire import ERROR, MAGIC, NONCE, OK, U32, Op, decode, encode, proof, recv_frame, send_frame
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]

@@ -7,19 +7,15 @@ bounded by `StoreLimits`:
 - before a client has proved the key it reads frames of at most
   `wire.HANDSHAKE_FRAME` bytes, gives it `handshake_timeout` seconds from
   accept, and keeps at most `max_handshakes` such connections (the oldest goes);
-  a connection it refuses (wrong key, another version, too many connections)
-  gets its answer and is closed at once, so refusals hold no descriptor;
+  one it refuses gets its answer and is closed at once;
 - after it, one request is at most `max_request` bytes (larger ones are read
   and thrown away, then answered LIMIT), requests being received share a
-  budget of `max_bytes` (one of at most `SMALL_REQUEST` bytes never waits for
-  it, so a slow client holding the budget cannot stall a small `set`), stored
-  keys and values another `max_bytes`, and `max_connections` clients may be
-  connected;
-- a request must arrive whole within `idle_timeout` seconds of its first byte
-  (a deadline for the message, not for each byte: a client that drips bytes
-  is cut off as one that sends none), and a connection without a request for
-  `idle_timeout` seconds is closed with a GOODBYE, after which the client
-  reconnects by itself;
+  budget of `max_bytes` (which a `SMALL_REQUEST` never waits for), stored keys
+  and values another `max_bytes`, and `max_connections` clients may connect;
+- a request must arrive whole within `idle_timeout` of its first byte (one
+  deadline for the message, not one per byte), and a connection without a
+  request for `idle_timeout` seconds is closed with a GOODBYE, after which the
+  client reconnects by itself;
 - when file descriptors run out, accepting pauses with a growing back-off
   instead of spinning.
 
@@ -42,7 +38,7 @@ import threading
 import time
 
 from .base import as_bytes
-from .limits import StoreLimits
+from .limits import SMALL_REQUEST, StoreLimits
 from .listener import bind_listener
 from .table import Table
 from .wire import (
@@ -50,11 +46,7 @@ from .wire import (
     encode_parts, format_address, proof,
 )  # fmt: skip
 
-__all__ = ["TCPStoreServer", "SMALL_REQUEST"]
-
-SMALL_REQUEST = 16 << 10
-"""Requests up to this size are read at once, whatever the receive budget holds (rendezvous records are
-smaller): they may take the budget over by this much per connection, and no slow request can make them wait."""
+__all__ = ["TCPStoreServer"]
 
 _DRAIN = 2.0  # seconds close() lets replies already computed go out
 _LINGER = 5.0  # seconds a GOODBYE or refusal waits for its client to read it and hang up
@@ -234,8 +226,7 @@ class TCPStoreServer:
             heapq.heappush(self._timers, (deadline, next(self._seq), conn))
 
     def _active(self, conn: _Conn) -> None:
-        """Restart the idle clock of an authenticated connection: from now, its next request must arrive whole
-        within `idle_timeout` (the clock is not restarted by the bytes of a request, only by its end)."""
+        """Restart the idle clock of an authenticated connection (at a request's first byte and its reply)."""
         if conn.state in (READY,) and self.limits.idle_timeout:
             self._timer(conn, time.monotonic() + self.limits.idle_timeout)
 
@@ -396,16 +387,11 @@ class TCPStoreServer:
         self._reply(conn, encode_parts(OK))
 
     def _refuse(self, conn: _Conn, message: str, status: int) -> None:
-        """Answer a connection that may not come in, and close it now: a refusal holds nothing afterwards.
-
-        The answer is a few bytes on a connection that has sent nothing unanswered, so the kernel takes it
-        at once; what the client sent meanwhile is read first (at most one buffer), so that the close
-        ends with a FIN after the answer rather than a reset that could destroy it.
-        """
+        """Answer a connection that may not come in, and close it now: a refusal holds nothing afterwards."""
         try:
-            conn.sock.send(b"".join(encode_parts(status, message.encode())))
+            conn.sock.send(b"".join(encode_parts(status, message.encode())))  # a few bytes: they go at once
             conn.sock.shutdown(socket.SHUT_WR)
-            conn.sock.recv_into(self._scratch)
+            conn.sock.recv_into(self._scratch)  # unread input would turn the close into a reset, losing the answer
         except OSError:
             pass  # (BlockingIOError included) the answer is best effort; the close is not
         self._close(conn)
