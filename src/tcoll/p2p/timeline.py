@@ -12,6 +12,14 @@ Each rank writes its events to ``<path>.rank<N>`` when its engine closes or the
 process exits; `merge` joins the parts of a job into one JSON file in the
 trace-event format (`tcoll run --trace` or TCOLL_TRACE under `tcoll run` merge
 them when the job ends).
+
+The trace often lives in a directory others may write to (/tmp), so no file
+is ever opened by its name for writing: each is written to a new file made
+with O_EXCL (which never follows a link) beside it, then renamed over the name,
+which replaces a link planted there instead of writing through it (and fails
+on another user's file in a sticky directory). `merge` reads only parts that
+are regular files of this user, opened without following links. A rank that
+cannot write its part warns and goes on: a trace is never worth a failed close.
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ import atexit
 import glob
 import json
 import os
+import stat
+import tempfile
 import threading
 import time
+import warnings
 from typing import Any
 
 __all__ = ["Timeline", "from_env", "merge", "now_us", "part_path"]
@@ -62,6 +73,7 @@ class Timeline:
         self._sent: dict[tuple[int, int, int], int] = {}
         self._received: dict[tuple[int, int, int], int] = {}
         self._lock = threading.Lock()
+        self._warned = False
         atexit.register(self.write)
 
     def slice(self, name: str, start_us: float, end_us: float, args: dict[str, Any], cat: str = "collective",
@@ -108,15 +120,65 @@ class Timeline:
             self.events.append({"name": "message", "cat": "p2p", "ph": "f", "bp": "e", "id": flow, "ts": now,
                                 "pid": self.rank, "tid": 1})
 
-    def write(self) -> None:
-        """Write this rank's events to its part file (again, with what came since, if called again)."""
+    def write(self) -> bool:
+        """Write this rank's events to its part file (again, with what came since, if called again).
+
+        Returns:
+            Whether the part was written; when it could not be (the path is not
+            writable, or holds another user's file), a RuntimeWarning says why.
+        """
         with self._lock:
             events = list(self.events)
         path = part_path(self.path, self.rank)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w") as out:
-            json.dump(events, out)
-        os.replace(path + ".tmp", path)
+        try:
+            _replace_with(path, json.dumps(events), 0o600)
+        except OSError as exc:
+            if not self._warned:  # once: close() and the exit hook both try
+                self._warned = True
+                warnings.warn(f"tcoll: rank {self.rank} could not write its timeline (TCOLL_TRACE) to {path}: "
+                              f"{exc}", RuntimeWarning, stacklevel=2)
+            return False
+        return True
+
+
+def _replace_with(path: str, text: str, mode: int) -> None:
+    """Make `path` a new file holding `text`, never writing into a file that is already there.
+
+    Raises:
+        OSError: the directory cannot be written, or `path` cannot be replaced.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # mkstemp creates with O_CREAT | O_EXCL, mode 0600: a planted link or file makes it pick another name.
+    fd, temp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as out:
+            if mode != 0o600:
+                os.fchmod(out.fileno(), mode)
+            out.write(text)
+        os.replace(temp, path)  # a rename replaces a link at `path`; it never writes through it
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_own(path: str) -> Any:
+    """The JSON in `path`, a regular file of this user; None (with a warning) for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        warnings.warn(f"tcoll: not merging {path}: {exc}", RuntimeWarning, stacklevel=3)
+        return None
+    with os.fdopen(fd) as part:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            warnings.warn(f"tcoll: not merging {path}: it is not a file of this user (a rank never made it)",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return json.load(part)
 
 
 def _call_of(ctx: int, tag: int) -> dict[str, int]:
@@ -136,21 +198,25 @@ def from_env(rank: int) -> Timeline | None:
 def merge(path: str, remove_parts: bool = True) -> int:
     """Join the ranks' parts of the trace `path` into `path` (the trace-event JSON object format).
 
+    Parts that are not regular files of this user (a link, another user's file) are left out, with a
+    warning, and left in place.
+
     Returns:
         The number of parts merged (0: none found, nothing written).
+
+    Raises:
+        OSError: `path` cannot be written (e.g. another user's file in a sticky directory).
     """
     parts = sorted(glob.glob(glob.escape(path) + ".rank*"))
     parts = [p for p in parts if p[len(path) + 5:].isdigit()]
-    if not parts:
+    read = [(part, _read_own(part)) for part in parts]
+    read = [(part, events) for part, events in read if isinstance(events, list)]
+    if not read:
         return 0
-    events: list[dict[str, Any]] = []
-    for part in parts:
-        with open(part) as f:
-            events.extend(json.load(f))
-    with open(path, "w") as out:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                   "otherData": {"producer": "tcoll", "ranks": len(parts)}}, out)
+    events: list[dict[str, Any]] = [event for _, part_events in read for event in part_events]
+    _replace_with(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                    "otherData": {"producer": "tcoll", "ranks": len(read)}}), 0o644)
     if remove_parts:
-        for part in parts:
+        for part, _ in read:
             os.unlink(part)
-    return len(parts)
+    return len(read)

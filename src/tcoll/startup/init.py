@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import re
 import threading
 from typing import Any
 
 from ..comm.communicator import Communicator, on_close, track
 from ..env import Settings
 from ..store.base import Store
+from ..store.signed import SignedStore
 from . import keys, rendezvous
 from .connect import connect_world
 from .mpi_meet import meet_through_mpi, wants_mpi_meeting
 
 __all__ = ["init", "default_communicator", "connect"]
 
-_RUN_ID = re.compile(r"[A-Za-z0-9_.]{1,64}")
 _default: Communicator | None = None
 _default_lock = threading.Lock()
 
@@ -56,27 +54,13 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
     """
     settings = Settings.from_env(timeout=timeout, transport=transport, **knobs)
     own_store = store is None
-    met_through_mpi = own_store and rank is None and wants_mpi_meeting(settings, init_method)
-    if met_through_mpi:
-        store, rank, size, mpi_run_id = meet_through_mpi(settings)  # under mpiexec: no address needed
-        run_id = run_id or mpi_run_id
-    if store is not None:
-        if rank is None or size is None:
-            raise ValueError("init(store=...) needs rank and size")
-        info = rendezvous.detect({}, rank=rank, size=size)
-        master_host = None
-    else:
-        info = rendezvous.detect(rank=rank, size=size, init_method=init_method)
-    run_id = _safe_run_id(run_id or info.run_id)
-    # A world of one rank needs no key of its own (nor the user's secret), but may meet a launcher's store.
-    key = keys.job_key(run_id, info.master) if info.size > 1 else info.auth_key
+    store, info, run_id, key, master_host = _meeting_place(store, rank, size, init_method, run_id, settings)
     settings = dataclasses.replace(settings, auth_key=key)
-    if own_store and not met_through_mpi:
-        store = rendezvous.open_store(dataclasses.replace(info, auth_key=key), init_method, settings.timeout)
-        master_host = info.master_addr or None
-    assert store is not None
+    # Every record the ranks read is signed with the job's key: a store may check no key (torchrun's), or be
+    # a file others can write, and none of it (an address to dial, a segment to map) may come from a stranger.
+    meeting = SignedStore(store, key) if key else store
     try:
-        comm = connect(store, info.rank, info.size, settings, run_id, master_host)
+        comm = connect(meeting, info.rank, info.size, settings, run_id, master_host)
     except BaseException:
         if own_store:
             store.close()
@@ -90,11 +74,35 @@ def init(rank: int | None = None, size: int | None = None, init_method: str | No
     return comm
 
 
-def _safe_run_id(run_id: str) -> str:
-    """The run id as it may appear in file names (/dev/shm/tcoll-<run id>-...): same on every rank."""
-    if _RUN_ID.fullmatch(run_id):
-        return run_id
-    return hashlib.sha1(run_id.encode()).hexdigest()[:12]
+def _meeting_place(store: Store | None, rank: int | None, size: int | None, init_method: str | None,
+                   run_id: str | None, settings: Settings) -> tuple[Store, rendezvous.LaunchInfo, str, str, str | None]:
+    """Where and as whom this rank meets the others.
+
+    Returns:
+        (store, launch info, run id, the job's key, the master's host or None); the store is the
+        caller's own unless one was given.
+
+    Raises:
+        RendezvousError: the store cannot be hosted or reached.
+        ValueError: a store without rank and size, or inconsistent variables.
+    """
+    if store is None and rank is None and wants_mpi_meeting(settings, init_method):
+        # Under mpiexec: the key is derived before the store opens, so the store is never keyless.
+        store, rank, size, run_id, key = meet_through_mpi(settings, run_id)
+        return store, rendezvous.detect({}, rank=rank, size=size), run_id, key, None
+    if store is not None:
+        if rank is None or size is None:
+            raise ValueError("init(store=...) needs rank and size")
+        info = rendezvous.detect({}, rank=rank, size=size)
+    else:
+        info = rendezvous.detect(rank=rank, size=size, init_method=init_method)
+    run_id = rendezvous.safe_run_id(run_id or info.run_id)
+    # A world of one rank needs no key of its own (nor the user's secret), but may meet a launcher's store.
+    key = keys.job_key(run_id, info.master) if info.size > 1 else info.auth_key
+    if store is not None:
+        return store, info, run_id, key, None
+    store = rendezvous.open_store(dataclasses.replace(info, auth_key=key), init_method, settings.timeout)
+    return store, info, run_id, key, info.master_addr or None
 
 
 def connect(store: Store, rank: int, size: int, settings: Settings, run_id: str,

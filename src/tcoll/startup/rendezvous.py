@@ -27,6 +27,7 @@ process is a world of one rank, so `tcoll.init()` works in a plain script.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -51,9 +52,18 @@ from .launchers import (
     split_host_port,
 )
 
-__all__ = ["LaunchInfo", "detect", "open_store", "exchange_cards", "store_barrier", "store_leave", "DEFAULT_PORT"]
+__all__ = ["LaunchInfo", "detect", "open_store", "exchange_cards", "store_barrier", "store_leave", "safe_run_id",
+           "DEFAULT_PORT"]
 
 _LOOPBACK = "127.0.0.1"
+_RUN_ID = re.compile(r"[A-Za-z0-9_.]{1,64}")
+
+
+def safe_run_id(run_id: str) -> str:
+    """The run id as it may appear in file names (/dev/shm/tcoll-<run id>-...): the same on every rank."""
+    if _RUN_ID.fullmatch(run_id):
+        return run_id
+    return hashlib.sha1(run_id.encode()).hexdigest()[:12]
 
 
 @dataclass

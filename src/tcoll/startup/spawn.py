@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -162,7 +163,10 @@ def _merge_timeline(env: dict[str, str]) -> None:
     if path:
         from ..p2p.timeline import merge
 
-        merge(path)
+        try:
+            merge(path)
+        except (OSError, ValueError) as exc:  # the job's results stand; only its picture is lost
+            warnings.warn(f"tcoll.spawn: cannot merge the trace {path}: {exc}", RuntimeWarning, stacklevel=3)
 
 
 # -- processes -----------------------------------------------------------------

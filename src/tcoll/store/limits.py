@@ -13,10 +13,14 @@ from collections.abc import Mapping
 from ..env import parse_size, read_variables
 from ..errors import TcollError
 
-__all__ = ["StoreLimits", "StoreLimitError", "ENTRY_OVERHEAD"]
+__all__ = ["StoreLimits", "StoreLimitError", "ENTRY_OVERHEAD", "SMALL_REQUEST"]
 
 ENTRY_OVERHEAD = 64
 """Bytes each stored key counts for beyond its key and value, so that a flood of empty keys is bounded too."""
+
+SMALL_REQUEST = 16 << 10
+"""Requests up to this size are read at once, whatever the receive budget holds (rendezvous records are
+smaller): they may take the budget over by this much per connection, and no slow request makes them wait."""
 
 
 class StoreLimitError(TcollError, ValueError):

@@ -7,12 +7,15 @@ bounded by `StoreLimits`:
 - before a client has proved the key it reads frames of at most
   `wire.HANDSHAKE_FRAME` bytes, gives it `handshake_timeout` seconds from
   accept, and keeps at most `max_handshakes` such connections (the oldest goes);
+  one it refuses gets its answer and is closed at once;
 - after it, one request is at most `max_request` bytes (larger ones are read
   and thrown away, then answered LIMIT), requests being received share a
-  budget of `max_bytes`, stored keys and values another `max_bytes`, and
-  `max_connections` clients may be connected;
-- a connection without a request for `idle_timeout` seconds is closed with a
-  GOODBYE, after which the client reconnects by itself;
+  budget of `max_bytes` (which a `SMALL_REQUEST` never waits for), stored keys
+  and values another `max_bytes`, and `max_connections` clients may connect;
+- a request must arrive whole within `idle_timeout` of its first byte (one
+  deadline for the message, not one per byte), and a connection without a
+  request for `idle_timeout` seconds is closed with a GOODBYE, after which the
+  client reconnects by itself;
 - when file descriptors run out, accepting pauses with a growing back-off
   instead of spinning.
 
@@ -35,7 +38,7 @@ import threading
 import time
 
 from .base import as_bytes
-from .limits import StoreLimits
+from .limits import SMALL_REQUEST, StoreLimits
 from .listener import bind_listener
 from .table import Table
 from .wire import (
@@ -137,9 +140,10 @@ class TCPStoreServer:
         return format_address(self.host, self.port)
 
     def stats(self) -> dict[str, int]:
-        """What the server holds now: connections (authenticated), handshakes, keys, bytes held and being received."""
-        return {"connections": self._authed, "handshakes": len(self._handshakes), "keys": len(self._table.data),
-                "bytes_held": self._table.held, "bytes_receiving": self._inflight}
+        """What the server holds now: connections (authenticated), handshakes, sockets open (in any state), keys,
+        bytes held and being received."""
+        return {"connections": self._authed, "handshakes": len(self._handshakes), "open": len(self._conns),
+                "keys": len(self._table.data), "bytes_held": self._table.held, "bytes_receiving": self._inflight}
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -222,7 +226,7 @@ class TCPStoreServer:
             heapq.heappush(self._timers, (deadline, next(self._seq), conn))
 
     def _active(self, conn: _Conn) -> None:
-        """Restart the idle clock of an authenticated connection."""
+        """Restart the idle clock of an authenticated connection (at a request's first byte and its reply)."""
         if conn.state in (READY,) and self.limits.idle_timeout:
             self._timer(conn, time.monotonic() + self.limits.idle_timeout)
 
@@ -270,7 +274,6 @@ class TCPStoreServer:
             if not n:
                 return self._close(conn)
             conn.discard -= n
-            self._active(conn)
             if not conn.discard:
                 self._reply(conn, encode_parts(LIMIT, (
                     f"a store request above {self.limits.max_request} bytes (2 x TCOLL_STORE_MAX_VALUE + 1 MiB) "
@@ -280,6 +283,8 @@ class TCPStoreServer:
             data = sock.recv(4 - len(conn.head))
             if not data:
                 return self._close(conn)
+            if not conn.head:
+                self._active(conn)  # a request begins: all of it must arrive within idle_timeout from now
             conn.head += data
             if len(conn.head) == 4:
                 (length,) = U32.unpack(conn.head)
@@ -297,8 +302,6 @@ class TCPStoreServer:
             finally:
                 reserved, conn.reserved = conn.reserved, 0
                 self._release(reserved)
-        else:
-            self._active(conn)
 
     def _start_frame(self, conn: _Conn, length: int) -> None:
         """Decide, from a length prefix alone, whether and where to read the frame."""
@@ -312,14 +315,13 @@ class TCPStoreServer:
         if length > self.limits.max_request:
             conn.discard = length
             return
-        if self._inflight and self._inflight + length > self.limits.max_bytes:
+        if length > SMALL_REQUEST and self._inflight and self._inflight + length > self.limits.max_bytes:
             conn.want = length  # wait, without reading, until other requests free the budget
             self._watch(conn, 0)
             self._starved.append(conn)
             return
         self._inflight += length
         conn.body, conn.got, conn.reserved = bytearray(length), 0, length
-        self._active(conn)
 
     def _release(self, length: int) -> None:
         """Return a request's bytes to the budget and let waiting connections read theirs."""
@@ -335,7 +337,7 @@ class TCPStoreServer:
             self._inflight += conn.want
             conn.body, conn.got, conn.reserved, conn.want = bytearray(conn.want), 0, conn.want, 0
             self._watch(conn, selectors.EVENT_READ)
-            self._active(conn)
+            self._active(conn)  # it waited for us: the rest of its request has the whole idle_timeout again
 
     # -- requests --------------------------------------------------------------------------
 
@@ -361,8 +363,8 @@ class TCPStoreServer:
         if op != Op.HELLO or len(fields) != 2 or len(fields[1]) != NONCE:
             if op == Op.HELLO and fields and fields[0].startswith(b"tcoll-store/") and fields[0] != MAGIC:
                 theirs = fields[0].decode(errors="replace")
-                return self._goodbye(conn, f"this store speaks {MAGIC.decode()}, the client {theirs} "
-                                           "(mixed tcoll versions in one job?)", status=ERROR)
+                return self._refuse(conn, f"this store speaks {MAGIC.decode()}, the client {theirs} "
+                                          "(mixed tcoll versions in one job?)", status=ERROR)
             raise ProtocolError("not a tcoll store client")
         if fields[0] != MAGIC:
             raise ProtocolError("not a tcoll store client")
@@ -376,16 +378,26 @@ class TCPStoreServer:
         del self._handshakes[conn]
         if self._auth_key and not hmac.compare_digest(
                 fields[0], proof(self._auth_key, b"C", conn.nonce, conn.peer_nonce)):
-            return self._goodbye(conn, "wrong authentication key (check TCOLL_AUTH_KEY)", status=ERROR)
+            return self._refuse(conn, "wrong authentication key (check TCOLL_AUTH_KEY)", status=ERROR)
         if self._authed >= self.limits.max_connections:
-            return self._goodbye(conn, f"the store has {self._authed} connections, its limit "
-                                       "(TCOLL_STORE_MAX_CONNECTIONS); retry later")
+            return self._refuse(conn, f"the store has {self._authed} connections, its limit "
+                                      "(TCOLL_STORE_MAX_CONNECTIONS); retry later", status=GOODBYE)
         conn.authed, conn.state = True, READY
         self._authed += 1
         self._reply(conn, encode_parts(OK))
 
+    def _refuse(self, conn: _Conn, message: str, status: int) -> None:
+        """Answer a connection that may not come in, and close it now: a refusal holds nothing afterwards."""
+        try:
+            conn.sock.send(b"".join(encode_parts(status, message.encode())))  # a few bytes: they go at once
+            conn.sock.shutdown(socket.SHUT_WR)
+            conn.sock.recv_into(self._scratch)  # unread input would turn the close into a reset, losing the answer
+        except OSError:
+            pass  # (BlockingIOError included) the answer is best effort; the close is not
+        self._close(conn)
+
     def _goodbye(self, conn: _Conn, message: str, status: int = GOODBYE) -> None:
-        """Send a last frame, then close once the client hung up (or after `_LINGER`)."""
+        """Send a last frame to an authenticated client, then close once it hung up (or after `_LINGER`)."""
         self._handshakes.pop(conn, None)
         if conn.authed:
             conn.authed = False

@@ -60,12 +60,21 @@ _HINT = "a smaller TCOLL_SHM_RING, a larger /dev/shm, or TCOLL_TRANSPORT=tcp may
 
 
 def process_alive(pid: int, start_time: int | None) -> bool:
-    """Whether process `pid` (started at `start_time` clock ticks) still runs (Linux /proc)."""
+    """Whether process `pid` (started at `start_time` clock ticks) still runs (Linux /proc).
+
+    Only a definite answer is death: no such process (ENOENT, ESRCH), a zombie, or
+    another start time (the pid was reused). A look that fails for any other
+    reason (this rank is out of file descriptors, EMFILE or ENFILE; no permission)
+    says nothing about the peer, so it counts as alive: a stranger who makes this
+    rank run out of descriptors must not make it declare a live peer dead.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:
+        return True  # no answer: look again later
     fields = stat.rpartition(b")")[2].split()
     state = fields[0]
     if state in (b"Z", b"X", b"x"):

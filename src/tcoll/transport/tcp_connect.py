@@ -44,6 +44,7 @@ _VERSION = 1
 _FLAG_AUTH = 1
 _NONCE = 32
 _BACKLOG = 4096  # the kernel caps it at net.core.somaxconn; hundreds of peers may dial at once
+_MIN_PENDING = 64  # accepted connections still in their handshake, at least; more for a large world
 
 # A handshake step: bytes to send, or the number of bytes to receive next.
 _Proto = Generator[Any, Any, Any]
@@ -180,6 +181,10 @@ class _Rendezvous:
         self.last_error: dict[int, str] = {}
         self.notes: list[str] = []
         self.done: dict[int, socket.socket] = {}
+        # Accepted connections not yet identified, oldest first: when a stranger's silent connections fill
+        # them, the oldest is dropped (a rank that dialled it retries), so strangers cannot take every descriptor.
+        self.pending: dict[int, _Link] = {}
+        self.max_pending = max(_MIN_PENDING, 4 * len(self.expected))
         self.sel = selectors.DefaultSelector()
 
     def run(self, timeout: float, check: Callable[[], None] | None = None) -> dict[int, socket.socket]:
@@ -248,11 +253,14 @@ class _Rendezvous:
             except OSError as exc:  # e.g. EMFILE: note it, keep serving the links we have
                 self.notes.append(f"accept failed: {exc}")
                 return
+            if len(self.pending) >= self.max_pending:
+                self._drop(next(iter(self.pending.values())), "dropped: too many connections in their handshake")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = _Link(sock, _acceptor(self.me, self.expected, self.run_id, self.key), -1, f"{addr[0]}:{addr[1]}",
                          False)
             self.sel.register(sock, selectors.EVENT_READ, link)
+            self.pending[id(link)] = link
             self._advance(link, None)
 
     def _service(self, link: _Link, mask: int) -> None:
@@ -317,6 +325,7 @@ class _Rendezvous:
     def _finish(self, link: _Link) -> None:
         """Hand over a link whose handshake succeeded."""
         self.sel.unregister(link.sock)
+        self.pending.pop(id(link), None)
         rank = link.result
         assert rank is not None
         if rank in self.done:  # a second connection from one rank: keep the first
@@ -350,6 +359,7 @@ class _Rendezvous:
         """Close a failed link; a dial is retried later, an accepted stranger is only noted."""
         if register:
             self.sel.unregister(link.sock)
+        self.pending.pop(id(link), None)
         link.sock.close()
         if link.peer < 0:
             if len(self.notes) < 20:
