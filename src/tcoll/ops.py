@@ -12,6 +12,9 @@ wins a tie, as in MPI.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +50,7 @@ class Op:
         name: how the op is shown in messages and tables.
     """
 
-    __slots__ = ("fn", "commutative", "name", "_kinds", "_ufunc", "_accepted")
+    __slots__ = ("fn", "commutative", "name", "_kinds", "_ufunc", "_accepted", "_identity")
 
     def __init__(self, fn: Callable[[Any, Any], Any], commutative: bool = True, name: str | None = None,
                  kinds: frozenset[str] | None = None) -> None:
@@ -59,6 +62,24 @@ class Op:
         self._kinds = kinds  # None: a user op, any dtype
         self._ufunc = fn if isinstance(fn, np.ufunc) else None
         self._accepted: set[np.dtype] = set()  # dtypes check() already passed (calls repeat them)
+        self._identity: int | None = None
+
+    @property
+    def identity(self) -> int:
+        """A 64-bit number that is the same for the same op in every process, and differs for different ones.
+
+        It is made of the op's name, whether it commutes, and its function: the
+        function's module and qualified name, and a digest of its code (the
+        bytecode, constants and names, recursively, and the values of simple
+        closure variables). Two lambdas defined in one place share a qualified
+        name but not their code, so they differ. Python's hash() is salted per
+        process, so a digest (BLAKE2b) is used instead.
+        """
+        if self._identity is None:
+            digest = hashlib.blake2b(f"{self.name}|{self.commutative}|".encode(), digest_size=8)
+            digest.update(_function_key(self.fn))
+            self._identity = int.from_bytes(digest.digest(), "little")
+        return self._identity
 
     def check(self, dtype: np.dtype) -> None:
         """Raise TypeError if this op cannot reduce `dtype` (before anything is sent).
@@ -99,6 +120,46 @@ class Op:
 
     def __repr__(self) -> str:
         return f"<tcoll.Op {self.name}{'' if self.commutative else ' (non-commutative)'}>"
+
+
+_SIMPLE = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _function_key(fn: Any) -> bytes:
+    """What tells a reduce function from another, as bytes that are the same in every process (see Op.identity)."""
+    if isinstance(fn, np.ufunc):
+        return f"ufunc:{fn.__name__}".encode()
+    if isinstance(fn, functools.partial):
+        return b"partial:" + _function_key(fn.func) + repr((fn.args, sorted(fn.keywords.items()))).encode()
+    target = getattr(fn, "__func__", fn)  # a bound method: its function
+    code = getattr(target, "__code__", None)
+    if code is None and not isinstance(fn, type):  # a callable object: its class and its __call__
+        target = type(fn)
+        code = getattr(getattr(target, "__call__", None), "__code__", None)
+    where = f"{getattr(target, '__module__', None)}:{getattr(target, '__qualname__', type(target).__qualname__)}"
+    key = where.encode()
+    if code is not None:
+        key += _code_key(code)
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        key += repr(value).encode() if isinstance(value, _SIMPLE) else type(value).__qualname__.encode()
+    return key
+
+
+def _code_key(code: types.CodeType) -> bytes:
+    """A code object's bytecode, names and constants (nested code objects too), as deterministic bytes."""
+    parts = [code.co_code, repr((code.co_names, code.co_varnames, code.co_freevars)).encode()]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            parts.append(_code_key(const))
+        elif isinstance(const, frozenset):  # its order follows salted string hashes: sort it
+            parts.append(repr(sorted(map(repr, const))).encode())
+        else:
+            parts.append(repr(const).encode())
+    return b"\0".join(parts)
 
 
 class _Average(Op):

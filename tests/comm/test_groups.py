@@ -113,3 +113,56 @@ def test_split_rejects_bad_colors() -> None:
             comm.group([1])
     finally:
         comm.close()
+
+
+# -- a bad argument on one rank: the call fails on every rank, and the next one is right -------------
+
+
+def _said(call: object) -> str:
+    try:
+        call()  # type: ignore[operator]
+        return "ok"
+    except (tcoll.TcollError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _sum_after(comm: tcoll.Communicator) -> list[float]:
+    x = np.full(2, comm.rank + 1.0)
+    comm.all_reduce(x)
+    return x.tolist()
+
+
+def run_local_errors(comm: tcoll.Communicator, store_path: str) -> dict[str, list]:
+    """split, group and create_group with a bad argument on rank 0 only; after each, a call all agree on."""
+    from tcoll.store.file import FileStore
+
+    comm.timeout = 30.0
+    report = {}
+    report["split"] = [_said(lambda: comm.split(-1 if comm.rank == 0 else 0)), _sum_after(comm)]
+    report["group"] = [_said(lambda: comm.group([0, 0] if comm.rank == 0 else list(range(comm.size)))),
+                       _sum_after(comm)]
+    store = FileStore(store_path)
+    members = [comm.size] if comm.rank == 0 else list(range(comm.size))  # rank 0 names a rank that is not
+    report["create_group"] = [_said(lambda: comm.create_group(members, store, timeout=30.0)), _sum_after(comm)]
+    store.close()
+    sub = comm.split(0)  # and the ranks still agree on everything
+    report["after"] = [sub.size, _sum_after(sub)]
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_bad_argument_on_one_rank_fails_the_call_on_every_rank(transport: str, tmp_path: object) -> None:
+    size = 3
+    want = [size * (size + 1) / 2] * 2
+    reports = tcoll.spawn(run_local_errors, size, (str(tmp_path / "store"),), timeout=100,  # type: ignore[operator]
+                          transport=transport)
+    for rank, report in enumerate(reports):
+        for name in ("split", "group", "create_group"):
+            said, after = report[name]
+            if rank == 0:
+                assert said.startswith("ValueError"), (rank, name, said)
+            else:
+                assert said.startswith("PeerFailedError") and "rank 0" in said, (rank, name, said)
+            assert after == want, (rank, name, report)
+        assert report["after"] == [size, want], (rank, report)

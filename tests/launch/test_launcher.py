@@ -434,3 +434,85 @@ def test_the_cause_is_reported_not_the_first_rank_to_exit(tmp_path: Path) -> Non
     assert done.returncode == 1
     report = [line for line in done.stderr.splitlines() if line.startswith("tcoll run: rank")]
     assert report and report[0].startswith("tcoll run: rank 1 "), done.stderr
+
+
+# -- what a mismatch prints ------------------------------------------------------------------------
+
+_MISMATCH = """
+    import numpy as np
+    import tcoll
+    comm = tcoll.init()
+    x = np.ones(4, dtype=np.float32 if comm.rank == comm.size - 1 else np.int32)
+    comm.all_reduce(x)
+    comm.close()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_mismatch_prints_one_short_message_per_rank(tmp_path: Path, transport: str) -> None:
+    """Each rank: where the user called, then the error naming the call and the ranks; then the launcher's line."""
+    name = script(tmp_path, _MISMATCH)
+    env = {**_env(), "TCOLL_TRANSPORT": transport}
+    done = subprocess.run([sys.executable, "-m", "tcoll", "run", "-n", "3", name], check=False, cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=80)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1 and len(lines) < 30, done.stderr
+    assert "Traceback" not in done.stderr and "tcoll/comm/" not in done.stderr, done.stderr
+    summary = [line for line in lines if line.startswith("tcoll run: rank")]
+    assert len(summary) == 1 and "MismatchError: all_reduce #1" in summary[0], done.stderr
+    errors = [line for line in lines if "MismatchError:" in line and not line.startswith("tcoll run")]
+    assert errors and all("all_reduce(float32)" in line and "all_reduce(int32)" in line for line in errors), lines
+    assert all("rank 2 called" in line for line in errors), lines
+    for line in errors:  # each rank's error comes after the line of the user's call
+        at = lines[lines.index(line) - 1]
+        assert at.endswith(f"{name}, line 6: comm.all_reduce(x)") and at.startswith(line[:4]), (at, line)
+
+
+@pytest.mark.timeout(60)
+def test_full_tracebacks_on_request_and_for_other_errors(tmp_path: Path) -> None:
+    name = script(tmp_path, _MISMATCH)
+    env = {**_env(), "TCOLL_TRACEBACK": "full"}
+    done = subprocess.run([sys.executable, "-m", "tcoll", "run", "-n", "2", name], check=False, cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr, done.stderr
+    assert "tcoll/comm/" in done.stderr, done.stderr
+
+
+def _fold(text: str) -> str:
+    from tcoll.launch.output import Tracebacks
+
+    folder = Tracebacks()
+    out = [piece for line in text.splitlines(keepends=True) for piece in folder.feed(line.encode())]
+    return b"".join(out + folder.flush()).decode()
+
+
+_TCOLL_FILE = str(SRC / "tcoll" / "comm" / "dispatch.py")
+_CHAIN = f"""tcoll.errors.MismatchError: recv from rank 1 (tag 112): rank 1 sent a message of another call
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "/home/me/job.py", line 9, in <module>
+    main()
+  File "/home/me/job.py", line 6, in main
+    comm.all_reduce(x)
+  File "{_TCOLL_FILE}", line 141, in _run_prepared
+    raise cause from exc
+tcoll.errors.MismatchError: all_reduce #1: rank 1 called all_reduce(int32) where rank 0 called all_reduce(float32)
+"""
+
+
+def test_a_tcoll_traceback_folds_into_the_users_call_and_the_error() -> None:
+    assert _fold(_CHAIN) == ("  at /home/me/job.py, line 6: comm.all_reduce(x)\n"
+                             "tcoll.errors.MismatchError: all_reduce #1: rank 1 called all_reduce(int32) where rank 0 "
+                             "called all_reduce(float32)\n")
+
+
+def test_other_output_passes_unchanged() -> None:
+    own = ('Traceback (most recent call last):\n  File "/home/me/job.py", line 3, in <module>\n'
+           '    raise ValueError("mine")\nValueError: mine\n')
+    wrapped = _CHAIN + "\nDuring handling of the above exception, another exception occurred:\n\n" + own
+    plain = "hello\n\nworld\ntcoll.errors.MismatchError: printed by the user\nmore\n"
+    for text in (own, wrapped, plain, own + plain, "Traceback (most recent call last):\n  File \"x\", line 1\n"):
+        assert _fold(text) == text

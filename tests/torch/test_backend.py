@@ -79,6 +79,10 @@ def test_collectives_2_and_4_ranks(size: int, transport: str, monkeypatch: pytes
 
 
 @pytest.mark.timeout(180)
-def test_ranks_that_disagree_all_get_an_error_and_nothing_shifts() -> None:
-    """op, dtype, root, and a local error on one rank, through dist.*: every rank raises, the next call is right."""
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_ranks_that_disagree_all_get_an_error_and_nothing_shifts(transport: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """op, dtype, root (reduce among them), dtypes of moved bytes, and local errors on one rank (tcoll's and the
+    backend's own checks), through dist.*: every rank raises, the next call is right on every rank."""
+    monkeypatch.setenv("TCOLL_TRANSPORT", transport)
     torch_workers.spawn(torch_workers.disagreements, 3, free_port())

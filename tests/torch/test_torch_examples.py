@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # What the seeds print, with 4 ranks: lines "[rank] data = ..." (the ring prints "rank tensor(...)").
 _LIST = "[tensor([0.]), tensor([1.]), tensor([2.]), tensor([3.])]"
 SEED_OUTPUT = {
-    # gloo's reduce leaves rank r the partial sum of ranks r..3, which the seed prints; so does tcoll's
-    "reduce": {0: "4.0", 1: "3.0", 2: "2.0", 3: "1.0"},
+    # the root gets the sum; torch calls the others' values undefined (gloo leaves partial sums there),
+    # and tcoll's reduce leaves them as they were
+    "reduce": {0: "4.0", 1: "1.0", 2: "1.0", 3: "1.0"},
     "all_reduce": {r: "4.0" for r in range(4)},
     "scatter": {0: "1.0", 1: "2.0", 2: "3.0", 3: "4.0"},
     "gather": {0: _LIST},

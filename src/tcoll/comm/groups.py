@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import MismatchError, PeerFailedError
+from .calls import numbered
+
 if TYPE_CHECKING:
     from ..p2p.hosts import HostMap
     from ..store.base import Store
@@ -25,8 +28,10 @@ if TYPE_CHECKING:
 __all__ = ["split", "group", "dup", "create_group", "split_type", "leaders", "hosts"]
 
 _NO_COLOR = -1
+_FAILED = "failed"  # what a member of create_group publishes when its own checks fail
 
 
+@numbered("split")
 def split(comm: Communicator, color: int | None, key: int | None = None) -> Communicator | None:
     """Partition the ranks by `color`; collective over this communicator.
 
@@ -41,7 +46,8 @@ def split(comm: Communicator, color: int | None, key: int | None = None) -> Comm
         The new communicator, or None for color None.
 
     Raises:
-        ValueError: a negative or non-integer color or key.
+        ValueError: a negative or non-integer color or key (on this rank; the call still counts, so
+            the other ranks get tcoll.PeerFailedError from it and later calls pair up as they should).
     """
     if color is not None and (not isinstance(color, (int, np.integer)) or isinstance(color, bool) or color < 0):
         raise ValueError(f"color must be a non-negative integer or None, not {color!r}")
@@ -59,6 +65,7 @@ def split(comm: Communicator, color: int | None, key: int | None = None) -> Comm
     return _sub(comm, [comm.world_ranks[r] for _, r in members], context)
 
 
+@numbered("split")
 def group(comm: Communicator, ranks: Sequence[int]) -> Communicator | None:
     """A communicator of `ranks` (in that order); collective over this communicator.
 
@@ -101,18 +108,36 @@ def create_group(comm: Communicator, ranks: Sequence[int], store: Store,
         The new communicator.
 
     Raises:
-        ValueError: a rank out of range or listed twice, or this rank not listed.
+        ValueError: a rank out of range or listed twice, or this rank not listed (this rank still
+            publishes that it failed, so the members waiting for it fail too).
+        tcoll.PeerFailedError: the checks failed on another member.
+        tcoll.MismatchError: another member listed other ranks, or another order.
         tcoll.TimeoutError: a member did not arrive in time.
     """
-    ranks = _checked_ranks(ranks, comm.size, "create_group")
-    if comm.rank not in ranks:
-        raise ValueError(f"create_group: rank {comm.rank} is not one of the members {ranks}")
     engine = comm._engine
-    me = ranks.index(comm.rank)
-    store.set(f"tcoll/context/{me}", str(engine.next_context).encode())
     wait = comm.timeout if timeout is None else timeout
-    offered = store.multi_get([f"tcoll/context/{r}" for r in range(len(ranks))], wait)
-    context = max(int(value) for value in offered)
+    try:
+        ranks = _checked_ranks(ranks, comm.size, "create_group")
+        if comm.rank not in ranks:
+            raise ValueError(f"create_group: rank {comm.rank} is not one of the members {ranks}")
+    except ValueError as exc:
+        # Keys are by rank, so the members this rank names (where it can name them) learn it failed.
+        store.set(f"tcoll/context/{comm.rank}", f"{_FAILED};{exc}".encode())
+        raise
+    listed = ",".join(map(str, ranks))
+    store.set(f"tcoll/context/{comm.rank}", f"{engine.next_context};{listed}".encode())
+    offered = store.multi_get([f"tcoll/context/{r}" for r in ranks], wait)
+    contexts = []
+    for member, value in zip(ranks, offered):
+        said, _, theirs = bytes(value).decode().partition(";")
+        if said == _FAILED:
+            raise PeerFailedError(f"create_group: rank {member} failed this call: {theirs}", rank=member,
+                                  cause=theirs)
+        if theirs != listed:
+            raise MismatchError(f"create_group: rank {member} listed the members [{theirs}] where rank "
+                                f"{comm.rank} listed [{listed}]", ranks=[member])
+        contexts.append(int(said))
+    context = max(contexts)
     engine.next_context = max(engine.next_context, context + 1)
     return _sub(comm, [comm.world_ranks[r] for r in ranks], context)
 

@@ -1,13 +1,31 @@
-"""Copy the ranks' output to the launcher's, whole lines at a time, each prefixed with its rank."""
+"""Copy the ranks' output to the launcher's, whole lines at a time, each prefixed with its rank.
+
+A Python traceback on a rank's stderr that ends in a tcoll error (a
+MismatchError, say) is folded into two lines: where the user's code made the
+call, and the error. Its frames inside tcoll, and the chained errors that led
+to it, say nothing a user can act on, and with every rank printing its own
+they made about 170 lines for one mismatch. TCOLL_TRACEBACK=full keeps them.
+"""
 
 from __future__ import annotations
 
 import collections
+import os
+import re
 import sys
+import sysconfig
 import threading
 from typing import IO, Any
 
-__all__ = ["LineForwarder", "Sink"]
+__all__ = ["LineForwarder", "Sink", "Tracebacks"]
+
+_TRACEBACK = b"Traceback (most recent call last):"
+_CHAINED = (b"The above exception was the direct cause", b"During handling of the above exception")
+_BARE_ERROR = re.compile(rb"^tcoll\.[\w.]*(?:Error|Exception)\b")
+_FRAME = re.compile(rb'^  File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+_TCOLL = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Frames that are nobody's own code: tcoll's, the standard library's, installed packages' (torch's wrappers).
+_NOT_USERS = tuple({_TCOLL + os.sep, *(sysconfig.get_paths()[key] + os.sep for key in ("stdlib", "purelib", "platlib"))})
 
 
 def _binary(stream: IO[Any]) -> IO[bytes]:
@@ -57,6 +75,83 @@ class Sink:
         self.write((text.rstrip("\n") + "\n").encode(errors="replace"), to_stderr=True)
 
 
+class Tracebacks:
+    """Folds each Python traceback that ends in a tcoll error into two lines (see the module docstring).
+
+    Lines go in one at a time (`feed`); those to write come out, a traceback's
+    once it is complete. Any other traceback, and every other line, comes out
+    as it went in.
+
+    Args:
+        fold: fold tracebacks of tcoll errors (False: pass every line through).
+    """
+
+    def __init__(self, fold: bool = True) -> None:
+        self._fold = fold
+        self._held: list[bytes] = []
+        self._state = "idle"  # or: frames, raised (the exception line seen), blank, chained
+
+    def feed(self, line: bytes) -> list[bytes]:
+        """Take one line (with its newline); return the lines to write now."""
+        if not self._fold:
+            return [line]
+        text = line.rstrip(b"\r\n")
+        state = self._state
+        if state == "idle":
+            if text == _TRACEBACK:
+                self._held, self._state = [line], "frames"
+            elif _BARE_ERROR.match(text):  # an exception raised nowhere (a cause): a chain may follow
+                self._held, self._state = [line], "raised"
+            else:
+                return [line]
+            return []
+        if state == "frames" or (state == "chained" and text == _TRACEBACK):
+            self._held.append(line)
+            self._state = "frames" if text.startswith(b" ") or text == _TRACEBACK else "raised"
+            return []
+        if state == "raised" and not text:
+            self._held.append(line)
+            self._state = "blank"
+            return []
+        if state in ("blank", "chained") and (text.startswith(_CHAINED) or (state == "chained" and not text)):
+            self._held.append(line)
+            self._state = "chained"
+            return []
+        return self.flush() + self.feed(line)  # the traceback ended before this line
+
+    def flush(self) -> list[bytes]:
+        """The lines still held (at the end of the stream): a traceback, folded if it is complete."""
+        held, state = self._held, self._state
+        self._held, self._state = [], "idle"
+        if state not in ("raised", "blank"):
+            return held
+        trailing = held[-1:] if state == "blank" else []
+        body = held[:-1] if trailing else held
+        return _folded(body) + trailing
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+
+def _folded(lines: list[bytes]) -> list[bytes]:
+    """A complete traceback: two lines (the user's call, the error) if it ends in a tcoll error, else as is."""
+    error = lines[-1]
+    if not error.startswith(b"tcoll."):
+        return lines
+    frames = []
+    for at, line in enumerate(lines):
+        found = _FRAME.match(line.rstrip(b"\r\n"))
+        if found is not None:
+            code = lines[at + 1].strip() if at + 1 < len(lines) and lines[at + 1].startswith(b"    ") else b""
+            frames.append((found["path"].decode(errors="replace"), found["line"].decode(), code))
+    own = [frame for frame in frames if not frame[0].startswith(_NOT_USERS)]
+    if not own:
+        return lines
+    path, number, code = own[-1]  # the innermost frame of the user's own code: the call that failed
+    where = f"{path}, line {number}: {code.decode(errors='replace')}".encode()
+    return [b"  at " + where + b"\n", error]
+
+
 class LineForwarder:
     """A daemon thread copying one pipe of one rank to the sink, line by line.
 
@@ -77,6 +172,7 @@ class LineForwarder:
         self._prefix = prefix
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines or None)
         self._keep = tail_lines > 0
+        self._tracebacks = Tracebacks(to_stderr and os.environ.get("TCOLL_TRACEBACK", "short") != "full")
         self._thread = threading.Thread(target=self._pump, name=f"tcoll-output{prefix.decode().strip()}",
                                         daemon=True)
         self._thread.start()
@@ -87,19 +183,25 @@ class LineForwarder:
             for line in iter(self._pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"  # the rank's last line had no newline
-                # A line that already names its rank (scripts written for mp.spawn print
-                # "[rank] ...") keeps its own prefix: "[0] [0] data" says nothing more.
-                prefix = b"" if line.startswith(self._prefix) else self._prefix
-                self._sink.write(prefix + line, self._to_stderr)
-                if self._keep:
-                    self._tail.append(line.decode(errors="replace").rstrip("\n"))
+                for out in self._tracebacks.feed(line):
+                    self._write(out)
         except (OSError, ValueError):
             pass  # the pipe was closed under us during cleanup
         finally:
+            for out in self._tracebacks.flush():
+                self._write(out)
             try:
                 self._pipe.close()
             except OSError:
                 pass
+
+    def _write(self, line: bytes) -> None:
+        # A line that already names its rank (scripts written for mp.spawn print
+        # "[rank] ...") keeps its own prefix: "[0] [0] data" says nothing more.
+        prefix = b"" if line.startswith(self._prefix) else self._prefix
+        self._sink.write(prefix + line, self._to_stderr)
+        if self._keep:
+            self._tail.append(line.decode(errors="replace").rstrip("\n"))
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until the pipe reached end of file.

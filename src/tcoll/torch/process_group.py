@@ -43,16 +43,15 @@ import torch.distributed as dist
 
 from ..comm.communicator import Communicator
 from ..comm.pairs import ANY_SOURCE
-from ..env import Settings
 from ..errors import TcollError
 from ..errors import TimeoutError as TcollTimeout
 from . import worlds
 from .plans import AllReducePlans
 from .sparse import all_reduce_sparse
-from .tensors import (NATIVE, Contiguous, as_bytes, chain_reduce, fill, finisher, np_bytes, np_view,
-                      pieces, reduce_source, reduce_target, row_bytes)
-from .work import (Finish, Held, TcollWork, async_requested, chain, completed, drop_held, each, held_calls, result_of,
-                   run_held, seconds, timed_out)
+from .tensors import (NATIVE, Contiguous, as_bytes, fill, finisher, np_bytes, np_view,
+                      pieces, reduce_source, reduce_target, row_bytes, typed)
+from .work import (Finish, Held, TcollWork, async_requested, chain, completed, counted, drop_held, each, held_calls,
+                   result_of, run_held, seconds, timed_out)
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
@@ -74,8 +73,6 @@ _SIMPLE_DTYPES = NATIVE
 _AVG_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float64}  # where an average cannot overflow
 # dist.all_reduce(async_op=False) takes None for a call done inside, where a Work costs a tenth of a small call.
 _DIST_ALL_REDUCE = inspect.unwrap(dist.all_reduce).__code__
-_INTERNAL_TAG = 1 << 61  # tags of the backend's own messages: far above any tag a torch program uses
-_INTERNAL_TAGS = 1 << 60
 
 
 class ProcessGroupTcoll(dist.ProcessGroup):
@@ -93,8 +90,6 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._sequence = 0
-        self._chain_tag = 0  # reduce calls so far (their tags, above the users' tags)
-        self._chunk = Settings.from_env().coll_chunk  # bytes per message of the reduce chain
         self._plans = AllReducePlans(comm)  # a small tensor's all_reduce, bound once (see .plans)
 
     # -- identity -------------------------------------------------------------------
@@ -183,6 +178,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             raise timed_out(exc) from exc
         return TcollWork(self, outputs, pending if async_op else (), finish)
 
+    @counted("split")
     def split_group(self, ranks: Sequence[int], timeout: Any = None, opts: Any = None, group_name: str | None = None,
                     group_desc: str | None = None, device_types: Any = None) -> ProcessGroupTcoll | None:
         """torch's ProcessGroup.split_group: a new group of `ranks` (ranks of this group); collective here.
@@ -251,6 +247,11 @@ class ProcessGroupTcoll(dist.ProcessGroup):
                     self._sequence += 1
                     return TcollWork(self, tensors, [self.comm.all_reduce(np_view(t), name, async_op=True)])
                 return self._issue(tensors, lambda _: self._all_reduce_now(t, name), False)
+        return self._allreduce_any(tensors, opts)
+
+    @counted("all_reduce")
+    def _allreduce_any(self, tensors: list[torch.Tensor], opts: Any) -> TcollWork:
+        """allreduce of a list, a sparse tensor, or an op or dtype that takes an extra step."""
         if any(t.is_sparse for t in tensors):  # gloo's way: gather every rank's entries, coalesce
             def start_sparse(_: bool) -> list[Any]:
                 for t in tensors:
@@ -265,6 +266,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
         return self._issue(list(tensors), start, async_requested(opts), each(p[2] for p in prepared))
 
+    @counted("all_reduce")
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
         """All-reduce several tensors as one flat buffer per dtype (one tcoll call each)."""
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -291,34 +293,23 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
         return self._issue(list(tensors), start, async_requested(opts), finish)
 
+    @counted("reduce")
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
-        """Reduce into the root's tensor along a pipelined chain, as gloo does.
-
-        The chain runs from the rank before the root (in ring order) down to
-        the root; each rank adds what comes from above to its own tensor and
-        passes it on, so the other ranks' tensors end up holding the partial
-        results gloo leaves there (torch calls them undefined). Always blocking.
-        """
+        """tcoll's reduce into the root's tensor; the others' are left as they were (torch: undefined)."""
         opts = opts if opts is not None else dist.ReduceOptions()
-        root = int(opts.rootRank)
-        if not 0 <= root < self.comm.size:
-            raise ValueError(f"reduce: root rank {root} is not in this group of {self.comm.size}")
+        root, prepared = int(opts.rootRank), []
+        for t in tensors:
+            name, factor, int_avg, wide = self._reduction(opts.reduceOp, t.dtype)
+            src = reduce_source(t, factor, wide)
+            prepared.append((src, name, finisher(src, t, int_avg, self.comm.size)))
 
         def start(async_op: bool) -> list[Any]:
-            for t in tensors:
-                name, factor, int_avg, wide = self._reduction(opts.reduceOp, t.dtype)
-                src = reduce_source(t, factor, wide)
-                self._chain_tag = (self._chain_tag + 1) % _INTERNAL_TAGS
-                chain_reduce(self.comm, src, name, root, _INTERNAL_TAG + self._chain_tag, self._chunk)
-                if self.comm.rank != root:
-                    int_avg = False
-                elif name == "avg" and self.comm.size > 1:
-                    src.div_(self.comm.size)
-                finisher(src, t, int_avg, self.comm.size)()
-            return []
+            return [self.comm.reduce(np_view(src), root, name, async_op=async_op) for src, name, _ in prepared]
 
-        return self._issue(list(tensors), start, async_requested(opts) and None)
+        finish = each(back for _, _, back in prepared) if self.comm.rank == root else None
+        return self._issue(list(tensors), start, async_requested(opts), finish)
 
+    @counted("reduce_scatter")
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> TcollWork:
         """Reduce rank r's input_tensors[0][j] over ranks into rank j's output (sizes may differ by j)."""
@@ -352,6 +343,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
         return self._issue([output], start, async_requested(opts), back)
 
+    @counted("reduce_scatter")
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         size = self.comm.size
@@ -372,53 +364,59 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     # -- data movement -------------------------------------------------------------------
 
+    @counted("broadcast")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
         root = int(opts.rootRank)
         held = [Contiguous(t, copy_in=self.comm.rank == root) for t in tensors]
 
         def start(async_op: bool) -> list[Any]:
-            return [self.comm.broadcast(np_bytes(h.work), root, async_op=async_op) for h in held]
+            return [self.comm.broadcast(typed(h.work), root, async_op=async_op) for h in held]
 
         return self._issue(list(tensors), start, async_requested(opts), each(h.back for h in held))
 
+    @counted("all_gather")
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> TcollWork:
         """Rank r's input lands in output_tensors[0][r] of every rank (sizes may differ by rank)."""
         opts = opts if opts is not None else dist.AllgatherOptions()
         outputs, x = output_tensors[0], Contiguous(input_tensors[0]).work
         self._check_count(outputs, "all_gather output list")
-        send = as_bytes(x)
+        send = typed(x)  # its dtype is in the call's stamp: ranks whose dtypes differ get a MismatchError
         sizes = [o.numel() * o.element_size() for o in outputs]
-        if len(set(sizes)) == 1 and sizes[0] == send.numel():
-            gathered = torch.empty((self.comm.size, send.numel()), dtype=_U8)
+        if len(set(sizes)) == 1 and sizes[0] == send.nbytes:
+            gathered = torch.empty((self.comm.size, x.numel()), dtype=x.dtype)
 
             def start(async_op: bool) -> list[Any]:
-                return [self.comm.all_gather(send.numpy(), out=gathered.numpy(), async_op=async_op)]
+                out = typed(gathered).reshape(self.comm.size, -1)
+                return [self.comm.all_gather(send, out=out, async_op=async_op)]
 
             parts: Callable[[], Sequence[torch.Tensor]] = lambda: gathered  # noqa: E731
         else:
             arrived: list[Any] = []
 
             def start(async_op: bool) -> list[Any]:
-                work = self.comm.all_gatherv(send.numpy(), async_op=async_op)
+                work = self.comm.all_gatherv(send, async_op=async_op)
                 arrived.append(work)
                 return [work]
 
             parts = lambda: result_of(arrived[0])  # noqa: E731
         return self._issue(list(outputs), start, async_requested(opts), lambda: fill(outputs, parts()))
 
+    @counted("all_gather")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        send = as_bytes(Contiguous(input).work)
-        out = Contiguous(output, copy_in=False)
-        if out.work.numel() * out.work.element_size() != send.numel() * self.comm.size:
+        x, out = Contiguous(input).work, Contiguous(output, copy_in=False)
+        if out.work.numel() * out.work.element_size() != x.numel() * x.element_size() * self.comm.size:
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, input "
                              f"{input.numel()}; the output must hold {self.comm.size} inputs")
-        target = as_bytes(out.work).view(self.comm.size, send.numel())
+        if out.work.dtype == x.dtype:  # typed: the dtype is in the call's stamp (see tensors.typed)
+            send, target = typed(x), typed(out.work).reshape(self.comm.size, -1)
+        else:
+            send, target = np_bytes(x), np_bytes(out.work).reshape(self.comm.size, -1)
 
         def start(async_op: bool) -> list[Any]:
-            return [self.comm.all_gather(send.numpy(), out=target.numpy(), async_op=async_op)]
+            return [self.comm.all_gather(send, out=target, async_op=async_op)]
 
         return self._issue([output], start, async_requested(opts), out.back)
 
@@ -431,6 +429,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @counted("all_gather")
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> TcollWork:
         """Rank r's inputs[i] lands in output_lists[r][i] of every rank (torch's layout: [rank][i])."""
@@ -442,6 +441,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         works = [self.allgather([[outs[i] for outs in output_lists]], [x], opts) for i, x in enumerate(inputs)]
         return chain(self, works, [t for outs in output_lists for t in outs])
 
+    @counted("gather")
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.GatherOptions()
@@ -460,6 +460,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         finish = (lambda: fill(outputs, gathered)) if gathered is not None else None
         return self._issue(list(outputs), start, async_requested(opts), finish)
 
+    @counted("scatter")
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -475,6 +476,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
         return self._issue([output_tensors[0]], start, async_requested(opts), out.back)
 
+    @counted("all_to_all")
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> TcollWork:
         """Rows input[split j] go to rank j; rows from rank i land in output[split i] (even splits if empty)."""
@@ -507,6 +509,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    @counted("all_to_all")
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
@@ -523,6 +526,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         return self._issue(list(output_tensors), start, async_requested(opts),
                            lambda: fill(output_tensors, result_of(arrived[0])))
 
+    @counted("barrier")
     def barrier(self, opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.BarrierOptions()
 

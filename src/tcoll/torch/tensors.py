@@ -1,7 +1,8 @@
-"""Tensor helpers of the torch backend that need no torch internals: byte views, copies, the reduce chain."""
+"""Tensor helpers of the torch backend that need no torch internals: byte views, copies."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,11 +11,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ..comm.communicator import Communicator
 from ..buffers import as_array
-from ..ops import as_op
 
-__all__ = ["NATIVE", "Contiguous", "as_bytes", "chain_reduce", "fill", "finisher", "np_bytes",
+__all__ = ["NATIVE", "Contiguous", "as_bytes", "fill", "finisher", "np_bytes", "typed",
            "np_view", "pieces", "reduce_source", "reduce_target", "row_bytes", "trunc_divide"]
 
 _U8 = torch.uint8
@@ -36,6 +35,26 @@ def np_view(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(_BF16)
     return t.numpy()
+
+
+def typed(t: torch.Tensor) -> np.ndarray:
+    """A flat ndarray over the memory of the contiguous tensor `t` whose dtype says what `t` holds.
+
+    tcoll's call stamp includes the dtype, so ranks that pass tensors of
+    different dtypes to a call that moves bytes (broadcast, all_gather) get a
+    MismatchError instead of reading each other's bytes as their own. A dtype
+    NumPy lacks (float8 types, complex32) is a record of one void field named
+    after the torch dtype, which the stamp tells apart by its description.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.dtype in NATIVE:
+        return np_view(flat)
+    return np_bytes(flat).view(_record(flat.dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _record(dtype: torch.dtype) -> np.dtype:
+    return np.dtype([(str(dtype), f"V{torch.empty(0, dtype=dtype).element_size()}")])
 
 
 def np_bytes(t: torch.Tensor) -> np.ndarray:
@@ -99,53 +118,6 @@ def trunc_divide(buf: torch.Tensor, size: int) -> None:
         a += negative_inexact.astype(a.dtype)
 
 
-def chain_reduce(comm: Communicator, buf: torch.Tensor, name: str, root: int, tag: int, chunk_bytes: int) -> None:
-    """Reduce `buf` of every rank into `buf` of `root` along a pipelined chain (gloo's reduce).
-
-    Ranks in ring order from the root: the last one (root - 1) sends its
-    data to the one before it, which combines it into its own buffer and
-    passes the result on, down to the root. Messages are cut into
-    `chunk_bytes` pieces so that every link of the chain works at once.
-    Each rank's buffer ends up holding the reduction of itself and the ranks
-    after it in the chain (the root: of all ranks). Sends (size - 1) * n bytes
-    in all, n per rank but the root; time about n * (beta + gamma) + size * chunk.
-
-    Args:
-        comm: the communicator.
-        buf: a contiguous tensor, reduced in place.
-        name: a tcoll op name ("avg" sums here: the root divides afterwards).
-        root: the rank that gets the full result.
-        tag: the point-to-point tag of this call, the same on every rank.
-        chunk_bytes: bytes per message.
-    """
-    size = comm.size
-    if size == 1:
-        return
-    position = (comm.rank - root) % size  # 0 is the root; size - 1 starts the chain
-    above, below = (comm.rank + 1) % size, (comm.rank - 1) % size
-    flat = np_view(buf.reshape(-1))
-    op = as_op(name)
-    step = max(1, chunk_bytes // max(1, flat.itemsize))
-    starts = list(range(0, flat.size, step))
-    receiving = position < size - 1 and bool(starts)
-    spare = [np.empty(min(step, flat.size), dtype=flat.dtype) for _ in range(2 if receiving else 0)]
-    pending: Any = comm.irecv(spare[0][:min(step, flat.size)], above, tag) if receiving else None
-    sends = []
-    for index, at in enumerate(starts):
-        piece = flat[at:at + step]
-        if receiving:
-            pending.wait(comm.timeout)
-            got = spare[index % 2][:piece.size]
-            if index + 1 < len(starts):  # post the next receive before combining this piece
-                following = flat[starts[index + 1]:starts[index + 1] + step].size
-                pending = comm.irecv(spare[(index + 1) % 2][:following], above, tag)
-            op.combine(piece, got, piece)  # this rank's data counts as the lower one
-        if position > 0:
-            sends.append(comm.isend(piece, below, tag))
-    for send in sends:
-        send.wait(comm.timeout)
-
-
 class Contiguous:
     """A contiguous tensor to hand tcoll for `t`: `t` itself, or a copy written back by `back()`."""
 
@@ -169,7 +141,7 @@ def fill(outputs: Sequence[torch.Tensor], parts: Sequence[Any]) -> None:
     """Copy each received byte block into its output tensor (any dtype, any layout)."""
     with torch.no_grad():
         for out, part in zip(outputs, parts, strict=True):
-            data = part if isinstance(part, torch.Tensor) else torch.from_numpy(part)
+            data = as_bytes(part) if isinstance(part, torch.Tensor) else torch.from_numpy(part.reshape(-1).view(np.uint8))
             holder = Contiguous(out, copy_in=False)
             as_bytes(holder.work).copy_(data.reshape(-1))
             holder.back()

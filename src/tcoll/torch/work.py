@@ -11,6 +11,7 @@ allreduce hook.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ..comm.calls import numbered
 from ..errors import TimeoutError as TcollTimeout
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroupTcoll
 
 __all__ = ["TcollWork", "completed", "async_requested", "Held", "Finish", "drop_held", "held_calls", "run_held",
-           "seconds", "each", "chain", "result_of", "timed_out"]
+           "seconds", "each", "chain", "result_of", "timed_out", "counted"]
 
 Finish = Callable[[], None]
 _TIMED_OUT = "[tcoll] Timed out - "
@@ -58,6 +60,34 @@ def async_requested(opts: Any) -> bool | None:
     if not getattr(opts, "asyncOp", False):
         return False
     return True if os.environ.get("TCOLL_TORCH_ASYNC", "0") == "1" else None
+
+
+_Method = Callable[..., Any]
+
+
+def counted(label: str) -> Callable[[_Method], _Method]:
+    """Make a process group method one numbered tcoll call even when the backend's own checks fail on this rank.
+
+    The backend checks torch's arguments (list lengths, sizes, ops) before it
+    calls tcoll. Where such a check fails on one rank only, that rank still
+    takes the call's sequence number and tells the others (tcoll's
+    `numbered`), so their call fails too (tcoll.PeerFailedError) instead of
+    pairing with this rank's next call. Calls held back before it run first,
+    so that numbers are taken in the order the calls were made.
+    """
+
+    def wrap(fn: _Method) -> _Method:
+        run = numbered(label)(lambda comm, pg, args, kwargs: fn(pg, *args, **kwargs))
+
+        @functools.wraps(fn)
+        def method(pg: Any, *args: Any, **kwargs: Any) -> Any:
+            if held_calls:
+                run_held()
+            return run(pg.comm, pg, args, kwargs)
+
+        return method
+
+    return wrap
 
 
 held_calls: list[Held] = []  # calls held back until waited for, in the order they were made (every group's)
