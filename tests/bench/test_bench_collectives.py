@@ -237,6 +237,21 @@ def test_compare_gloo_and_mpi_run_the_same_checked_collectives() -> None:
     assert len(line) == 8 + 3 * 3 and all(cell != "-" for cell in line[:7])
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _have("mpi4py"), reason="needs mpi4py")
+def test_an_mpiexec_that_starts_singletons_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another MPI's mpiexec starts n jobs of one rank each: their figures would be a one-rank call's, so the
+    compare target fails and is left out, saying why, instead of showing them."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text('#!/bin/sh\nn=$2; shift 2\nfor i in $(seq "$n"); do "$@" & done\nwait\n')
+    fake.chmod(0o755)
+    code, out, err = _cli(["all_reduce", "-n", "2", "-b", "64", "-e", "64", "--repeats", "1", "--iters", "2",
+                           "--compare", "mpi", "--mpiexec", str(fake)], capsys)
+    assert code == 0, err
+    assert "# compare: mpi failed and is left out" in err and "sees 1 rank(s), not the 2 asked for" in err
+    assert "mpi" not in out.splitlines()[0]
+
+
 # -- formats -------------------------------------------------------------------------------------------
 
 

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compare", default="", metavar="gloo,mpi,tcoll-mpi,deepspeed",
                        help="also measure torch.distributed gloo, mpi4py (MPICH), tcoll over its MPI engine, "
                             "and/or DeepSpeed's CPU shared-memory all_reduce (float sums only)")
+    group.add_argument("--mpiexec", metavar="PATH",
+                       help="the mpiexec of mpi4py's MPI library, for --compare mpi,tcoll-mpi (default: the one "
+                            "beside this Python, else on PATH); a job whose ranks see another size is refused")
     group.add_argument("--load", type=int, default=0, metavar="K",
                        help="run K busy processes during the whole measurement")
     group.add_argument("--plot", metavar="FILE.png", help="plot busbw and time vs size (needs matplotlib)")
@@ -153,7 +156,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(cases=cases, n=args.nranks, sizes=sizes, dtype=args.dtype, op=args.op, root=args.root,
                        algorithm=args.algorithm, buffers=buffers, compare=compare,
                        repeats=args.repeats, iters=args.iters, warmup=args.warmup, check=args.check,
-                       timeout=args.timeout, persistent=args.persistent, floor=args.floor)
+                       timeout=args.timeout, persistent=args.persistent, floor=args.floor, mpiexec=args.mpiexec)
 
 
 def _header(config: BenchConfig, load: int) -> dict[str, Any]:

@@ -240,7 +240,7 @@ def run_deepspeed(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any
 
 def run_mpi(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Sweep the plan with mpi4py on `mpiexec -n N` processes."""
-    launcher = mpiexec()
+    launcher = plan.get("mpiexec") or mpiexec()
     if launcher is None:
         raise BenchError("mpi: no mpiexec found")
     command = [launcher, "-n", str(n), sys.executable, "-m", "tcoll.bench.mpi_worker"]
@@ -249,7 +249,7 @@ def run_mpi(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 def run_tcoll_mpi(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Sweep the plan with tcoll's collectives over its MPI engine on `mpiexec -n N` processes."""
-    launcher = mpiexec()
+    launcher = plan.get("mpiexec") or mpiexec()
     if launcher is None:
         raise BenchError("tcoll-mpi: no mpiexec found")
     env = {k: v for k, v in _env().items() if k not in ("TCOLL_MASTER", "MASTER_ADDR", "TCOLL_RANK", "TCOLL_SIZE")}

@@ -97,6 +97,7 @@ class BenchConfig:
     timeout: float = 1800.0
     persistent: bool = False  # tcoll also runs each job as a persistent plan (comm.<case>_init)
     floor: bool = True  # all_reduce: the bare-Python floor (bench.floor) in tcoll's processes
+    mpiexec: str | None = None  # the MPI launcher for --compare mpi, tcoll-mpi (None: compare.mpiexec finds one)
 
 
 def tcoll_algorithms(case: str, algorithm: str) -> list[str]:
@@ -133,7 +134,7 @@ def make_plan(config: BenchConfig, impl: str, progress: str | None = None) -> di
             "dtype": config.dtype, "op": config.op, "root": config.root, "iters": config.iters,
             # DeepSpeed is always checked: where it does not reduce it says nothing, and must show as wrong
             "warmup": config.warmup, "check": config.check or impl == "deepspeed", "progress": progress,
-            "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases}
+            "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases, "mpiexec": config.mpiexec}
 
 
 def measurements(plan: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -228,7 +229,16 @@ def measure(backend: Backend, job: dict[str, Any], nbytes: int, plan: dict[str, 
 
 
 def sweep(backend: Backend, plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """Run every measurement of the plan on this rank; rank 0's rows are the results."""
+    """Run every measurement of the plan on this rank; rank 0's rows are the results.
+
+    Raises:
+        BenchError: this implementation's job has another number of ranks than the plan asks for (an
+            mpiexec of another MPI than mpi4py's starts n jobs of one rank each: their figures would be
+            those of a one-rank call, silently).
+    """
+    if backend.size != plan["n"]:
+        raise BenchError(f"{plan['impl']}: rank {backend.rank} sees {backend.size} rank(s), not the {plan['n']} "
+                         "asked for (for mpi: is mpiexec the one of mpi4py's MPI library? see --mpiexec)")
     rows = []
     with contextlib.ExitStack() as stack:
         progress = (stack.enter_context(open(plan["progress"], "a"))
