@@ -106,6 +106,7 @@ class Agreement:
         self._look_first = False  # the last call only sent: look for what came back before the next one
         self._causes: deque[int] = deque(maxlen=256)  # the calls whose trouble was raised here already
         self._answers: dict[int, dict[int, tuple[bytes, int]]] = {}  # call asked about -> rank -> (where, last)
+        self._failing: dict[int, Running] = {}  # recent calls failed here: a notice that comes later explains them
         engine.watch(ctx, self.watch)
 
     # -- a call's life ---------------------------------------------------------------
@@ -181,6 +182,10 @@ class Agreement:
         """
         self.watch.calls.pop(running.sequence, None)
         self.watch.failed.append(running.sequence)
+        if not isinstance(error, MismatchError):  # (its Work failed first: the notice of why may come next)
+            self._failing[running.sequence] = running
+        if len(self._failing) > 8:
+            del self._failing[next(iter(self._failing))]
         self._raised(error, running.sequence)
         if running.told is not error and not is_known_to_peers(error):
             self.tell(running.sequence, running.stamp, error)
@@ -287,6 +292,9 @@ class Agreement:
         if kind == "quiet" and tag - (block << BLOCK_BITS) >= ARENA_TAGS:
             kind = "reopening"
         running = self.watch.calls.get(block)
+        if running is None and kind == "notice" and block in self._failing:
+            self._explain(self._failing.pop(block), peer, theirs, payload)
+            return
         if running is None and block > self.watch.high:  # a notice for a call not started here: kept for it
             self._on_trouble()
             self._ahead.setdefault(block, (kind, peer, block, theirs & ~NOTICE, payload))
@@ -306,6 +314,15 @@ class Agreement:
         self.watch.failed.append(block)  # a call that finished here turns out to have disagreed:
         error.tcoll_cause = cause  # type: ignore[attr-defined]
         self.poison = self.poison or error  # the next call raises it
+
+    def _explain(self, failed: Running, peer: int, theirs: int, payload: bytes) -> None:
+        """A notice about a call that already failed here (its peer's connection closed first, say): it says why.
+
+        The dispatcher raises the notice's error instead of its own, which was a consequence
+        (tcoll.comm.dispatch, Dispatcher._cause).
+        """
+        if failed.told is None:
+            failed.told = self._error("notice", peer, failed.sequence, theirs & ~NOTICE, payload, failed)
 
     def _error(self, kind: str, peer: int, block: int, theirs: int, payload: bytes,
                running: Running | None) -> BaseException | None:
