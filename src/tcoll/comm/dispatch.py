@@ -33,6 +33,7 @@ from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gat
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
 from ..errors import MismatchError, TcollError, TransportError
+from ..ops import OPS
 from ..p2p import timeline
 from ..p2p.engine import Engine
 from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
@@ -46,6 +47,7 @@ __all__ = ["Dispatcher"]
 
 _ARENA_PHASE = 6  # the phases of a call that open the arena: 6 (barriers) and 7 (the address)
 _MAX_STEPS = 3  # steps of a program: phases 0-5
+_CONFIRM_PHASE = 2  # a single call with a user's op: every rank says its part went well (a call uses phases 0-1)
 
 
 def _traced(call: Call, algorithm: str, sequence: int) -> dict[str, Any]:
@@ -254,14 +256,20 @@ class Dispatcher:
         team = teams[0] or self.team_for(running.sequence, running.stamp)
         teams[0] = team
         description = f"{call.label} #{running.sequence} ({info.name}, {call.nbytes} B per rank)"
-        body = self._team_steps(info, call, team.phase(phase))
+        # A user's op may fail on one rank after the others' parts are done: in a call of its own, they
+        # wait for every rank's word that its part went well, and so fail in the same call if one did not.
+        user_op = call.op is not None and getattr(OPS.get(call.op.name), "fn", None) is not call.op.fn
+        confirm = team.phase(_CONFIRM_PHASE) if settle and user_op else None
+        body = self._team_steps(info, call, team.phase(phase), confirm)
         return self.start(team, description, body, async_op, running if settle else None, running)
 
-    def _team_steps(self, info: AlgorithmInfo, call: Call, team: Team) -> Algorithm:
+    def _team_steps(self, info: AlgorithmInfo, call: Call, team: Team, confirm: Team | None = None) -> Algorithm:
         if call.staged is not None:
             place, block = call.staged
             place[...] = block
         yield from info.run(team, *call.args)
+        if confirm is not None:
+            yield from lookup("barrier", "dissemination").run(confirm)
         return call.finish(team.size)
 
     def _on_arena(self, info: AlgorithmInfo, call: Call, running: Running, teams: list[Team | None]) -> None:
