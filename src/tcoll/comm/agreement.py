@@ -201,9 +201,44 @@ class Agreement:
         else:
             self.tell(sequence, stamp, error)
 
-    def close(self) -> None:
-        """Stop watching (the communicator closes)."""
-        self.engine.watch(self.ctx, None)
+    def close(self, linger: float = 0.0) -> BaseException | None:
+        """Stop watching (the communicator closes); return a disagreement found and not raised yet.
+
+        What arrived is taken in first. If this rank's last call only sent (a root
+        of a broadcast), what would show that the ranks disagreed on it may still
+        be on its way: it waits, up to `linger` seconds, until every peer has
+        closed (so everything they sent is in) or something turned up.
+
+        Args:
+            linger: seconds to wait at most for the peers (0: take in only what is there).
+        """
+        engine = self.engine
+        if not engine.closed:
+            try:
+                engine.poll()
+                if self._look_first and linger > 0:
+                    self._linger(linger)
+            except TcollError:  # a peer lost meanwhile: it sent what it could
+                pass
+        engine.watch(self.ctx, None)
+        found, self.poison = self.poison, None
+        return found
+
+    def _linger(self, linger: float) -> None:
+        """Take in messages until every peer closed, a disagreement turned up, or `linger` seconds passed."""
+        engine = self.engine
+        deadline = time.monotonic() + linger
+        peers = [w for w in self.world if w != engine.rank]
+        while self.poison is None and time.monotonic() < deadline:
+            live = [w for w in peers if not engine.is_lost(w)]
+            if not live:
+                return
+            for peer in live:  # a closed peer reads as lost (its socket's end, its segment's closed word)
+                try:
+                    engine.probe_peers([peer])
+                except TcollError:
+                    pass
+            engine.block_unless(lambda: self.poison is not None, 0.02)
 
     # -- notices -----------------------------------------------------------------------
 

@@ -444,16 +444,24 @@ class Dispatcher:
                    step_of=running)
         running.work = None
 
-    def close(self) -> None:
-        """Release the arena (a sub-communicator's goes with it, not with the world), stop watching."""
+    def close(self, linger: float = 0.0) -> BaseException | None:
+        """Release the arena (a sub-communicator's goes with it, not with the world), stop watching.
+
+        Args:
+            linger: seconds to wait at most for what shows a disagreement on the last call (Agreement.close).
+
+        Returns:
+            A disagreement found and not raised yet (the caller raises it once all is released), or None.
+        """
         self.closed = True
         self.lean.clear()
-        self.agreement.close()
+        found = self.agreement.close(linger)
         arena, self.arena = self.arena, None
         if arena is not None:
             if arena.close in self.engine.closers:
                 self.engine.closers.remove(arena.close)
             arena.close()
+        return found
 
     # -- for tests and benchmarks --------------------------------------------------------
 
