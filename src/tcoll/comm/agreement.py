@@ -106,6 +106,7 @@ class Agreement:
         self._look_first = False  # the last call only sent: look for what came back before the next one
         self._causes: deque[int] = deque(maxlen=256)  # the calls whose trouble was raised here already
         self._answers: dict[int, dict[int, tuple[bytes, int]]] = {}  # call asked about -> rank -> (where, last)
+        self._failing: dict[int, Running] = {}  # recent calls failed here: a notice that comes later explains them
         engine.watch(ctx, self.watch)
 
     # -- a call's life ---------------------------------------------------------------
@@ -181,6 +182,10 @@ class Agreement:
         """
         self.watch.calls.pop(running.sequence, None)
         self.watch.failed.append(running.sequence)
+        if not isinstance(error, MismatchError):  # (its Work failed first: the notice of why may come next)
+            self._failing[running.sequence] = running
+        if len(self._failing) > 8:
+            del self._failing[next(iter(self._failing))]
         self._raised(error, running.sequence)
         if running.told is not error and not is_known_to_peers(error):
             self.tell(running.sequence, running.stamp, error)
@@ -196,9 +201,44 @@ class Agreement:
         else:
             self.tell(sequence, stamp, error)
 
-    def close(self) -> None:
-        """Stop watching (the communicator closes)."""
-        self.engine.watch(self.ctx, None)
+    def close(self, linger: float = 0.0) -> BaseException | None:
+        """Stop watching (the communicator closes); return a disagreement found and not raised yet.
+
+        What arrived is taken in first. If this rank's last call only sent (a root
+        of a broadcast), what would show that the ranks disagreed on it may still
+        be on its way: it waits, up to `linger` seconds, until every peer has
+        closed (so everything they sent is in) or something turned up.
+
+        Args:
+            linger: seconds to wait at most for the peers (0: take in only what is there).
+        """
+        engine = self.engine
+        if not engine.closed:
+            try:
+                engine.poll()
+                if self._look_first and linger > 0:
+                    self._linger(linger)
+            except TcollError:  # a peer lost meanwhile: it sent what it could
+                pass
+        engine.watch(self.ctx, None)
+        found, self.poison = self.poison, None
+        return found
+
+    def _linger(self, linger: float) -> None:
+        """Take in messages until every peer closed, a disagreement turned up, or `linger` seconds passed."""
+        engine = self.engine
+        deadline = time.monotonic() + linger
+        peers = [w for w in self.world if w != engine.rank]
+        while self.poison is None and time.monotonic() < deadline:
+            live = [w for w in peers if not engine.is_lost(w)]
+            if not live:
+                return
+            for peer in live:  # a closed peer reads as lost (its socket's end, its segment's closed word)
+                try:
+                    engine.probe_peers([peer])
+                except TcollError:
+                    pass
+            engine.block_unless(lambda: self.poison is not None, 0.02)
 
     # -- notices -----------------------------------------------------------------------
 
@@ -287,6 +327,9 @@ class Agreement:
         if kind == "quiet" and tag - (block << BLOCK_BITS) >= ARENA_TAGS:
             kind = "reopening"
         running = self.watch.calls.get(block)
+        if running is None and kind == "notice" and block in self._failing:
+            self._explain(self._failing.pop(block), peer, theirs, payload)
+            return
         if running is None and block > self.watch.high:  # a notice for a call not started here: kept for it
             self._on_trouble()
             self._ahead.setdefault(block, (kind, peer, block, theirs & ~NOTICE, payload))
@@ -306,6 +349,15 @@ class Agreement:
         self.watch.failed.append(block)  # a call that finished here turns out to have disagreed:
         error.tcoll_cause = cause  # type: ignore[attr-defined]
         self.poison = self.poison or error  # the next call raises it
+
+    def _explain(self, failed: Running, peer: int, theirs: int, payload: bytes) -> None:
+        """A notice about a call that already failed here (its peer's connection closed first, say): it says why.
+
+        The dispatcher raises the notice's error instead of its own, which was a consequence
+        (tcoll.comm.dispatch, Dispatcher._cause).
+        """
+        if failed.told is None:
+            failed.told = self._error("notice", peer, failed.sequence, theirs & ~NOTICE, payload, failed)
 
     def _error(self, kind: str, peer: int, block: int, theirs: int, payload: bytes,
                running: Running | None) -> BaseException | None:

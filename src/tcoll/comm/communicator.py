@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 import threading
 from typing import Any
 
@@ -290,21 +292,32 @@ class Communicator:
         Not collective: each rank closes its own side. Idempotent. Closing a
         sub-communicator (from split, group or dup) only marks it closed:
         its channels belong to the world it came from.
+
+        A disagreement that showed only after the last call it concerns (a late
+        message, another rank's notice) is raised here, once all is released. A
+        rank whose last call only sent (the root of a point-to-point broadcast)
+        first waits until its peers have closed too (at most 10 s, or the
+        timeout if shorter), so that what they sent on that call is in.
+
+        Raises:
+            MismatchError, PeerFailedError: the ranks disagreed on a call and this rank had not said so yet.
         """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        self._dispatch.close()  # a sub-communicator's arena goes with it, not with the world
-        if self._parent is not None:
-            return
-        self._engine.close()
-        for transport in self._transports:
-            transport.close()
-        if self._store is not None:
-            self._leave_store()
-            self._store.close()
-        _forget(self)
+        # A sub-communicator's arena goes with it, not with the world.
+        found = self._dispatch.close(min(self.timeout, _LEAVE_TIMEOUT) if self._parent is None else 0.0)
+        if self._parent is None:
+            self._engine.close()
+            for transport in self._transports:
+                transport.close()
+            if self._store is not None:
+                self._leave_store()
+                self._store.close()
+            _forget(self)
+        if found is not None:
+            raise found
 
     def _leave_store(self) -> None:
         """Let the rank whose process serves the store close it last.
@@ -366,8 +379,15 @@ def on_close(hook: Any) -> None:
 def _close_all() -> None:
     with _live_lock:
         comms = list(_live)
+    found = []
     for comm in comms:
         try:
             comm.close()
+        except TcollError as exc:  # the ranks disagreed, and only now does it show
+            found.append(f"tcoll: rank {comm.rank}: {type(exc).__name__}: {exc}")
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+    if found:  # the job must not end well: an exception here would not change the exit status
+        print("\n".join(found), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

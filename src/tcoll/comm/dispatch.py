@@ -33,6 +33,7 @@ from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gat
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
 from ..errors import MismatchError, TcollError, TransportError
+from ..ops import OPS
 from ..p2p import timeline
 from ..p2p.engine import Engine
 from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
@@ -48,6 +49,7 @@ __all__ = ["Dispatcher"]
 
 _ARENA_PHASE = 6  # the phases of a call that open the arena: 6 (barriers) and 7 (the address)
 _MAX_STEPS = 3  # steps of a program: phases 0-5
+_CONFIRM_PHASE = 2  # a single call with a user's op: every rank says its part went well (a call uses phases 0-1)
 
 
 def _traced(call: Call, algorithm: str, sequence: int) -> dict[str, Any]:
@@ -92,13 +94,7 @@ class Dispatcher:
         """Run one call: its result, or (async_op) a Work whose result() it is."""
         if self.capturing:
             return Prepared(call, None, 0, async_op)  # a plan takes the call (tcoll.comm.plans)
-        sequence = self._next()
-        try:
-            prepared = self.prepare(call, async_op)
-        except BaseException as exc:
-            self._failed(sequence, call.label, call.stamp(None), None, exc)
-            raise
-        return self._run_prepared(prepared, sequence)
+        return self._run_numbered(self._next(), call, None, async_op)
 
     def prepare(self, call: Call, async_op: bool = False) -> Prepared:
         """Choose `call`'s algorithm and stamp it, once, to run it any number of times (run_prepared).
@@ -115,12 +111,29 @@ class Dispatcher:
         if self.closed or self.engine.closed:
             raise TcollError("the communicator is closed")
         self.sequence += 1  # _next(), inline
-        return self._run_prepared(prepared, self.sequence)
+        return self._run_numbered(self.sequence, prepared.call, prepared, prepared.async_op)
 
-    def _run_prepared(self, prepared: Prepared, sequence: int) -> Any:
-        call, info = prepared.call, prepared.info
+    def _run_numbered(self, sequence: int, call: Call, prepared: Prepared | None, async_op: bool,
+                      body: Callable[[Running], Any] | None = None) -> Any:
+        """THE path of every numbered call: prepare, begin, run, and on any failure tell the other ranks.
+
+        Args:
+            sequence: the call's number (taken already, alike on every rank).
+            call: the call; for a program or a custom call, what its stamp says of it.
+            prepared: the call prepared (None: prepare it here, as part of the call).
+            body: a program or custom call's own way to run (given the Running); None: run `prepared`.
+
+        Raises:
+            whatever the call raised here, or the notice of another rank that explains it (see _cause).
+        """
         running = None
         try:
+            if prepared is None:
+                prepared = self.prepare(call, async_op)
+            if body is not None:
+                running = self.agreement.begin(sequence, call.label, prepared.stamp, False)
+                return body(running)
+            info = prepared.info
             running = self.agreement.begin(sequence, call.label, prepared.stamp, info.direct)
             for place, block in call.copies:
                 place[...] = block
@@ -132,7 +145,7 @@ class Dispatcher:
                 self.agreement.end(running)
                 return call.finish(self.size) if prepared.finishes else call.result
             began = timeline.now_us() if line is not None else 0.0
-            result = self._execute(info, call, running, 0, prepared.async_op, [None], settle=True)
+            result = self._execute(info, call, running, 0, async_op, [None], settle=True)
             if line is not None:
                 line.call(call.label, began, result, _traced(call, info.name, sequence))
             return result
@@ -155,28 +168,23 @@ class Dispatcher:
             return None  # a plan of several steps runs the method anew each time (tcoll.comm.plans)
         sequence = self._next()
         requested = head.algorithm if head.algorithm != "auto" else self.chooser.forced(head.collective)
-        stamp = head.stamp(requested)
-        running = None
-        try:
-            running = self.agreement.begin(sequence, head.label, stamp, False)
-            began = timeline.now_us() if self.engine.timeline is not None else 0.0
-            if async_op:
-                team = self.team_for(sequence, stamp)
-                result = self.start(team, f"{head.label} #{sequence}", self._program_body(program, team), True,
-                                    running)
-            else:
-                result = self._program_steps(program, running)
-            if self.engine.timeline is not None:
-                self.engine.timeline.call(head.label, began, result, _traced(head, requested or "auto", sequence))
-            if async_op:
-                return result
-        except BaseException as exc:
-            cause = self._cause(running, exc)
-            self._failed(sequence, head.label, stamp, running, cause)
-            if cause is not exc:
-                raise cause from exc
-            raise
-        self.agreement.end(running)
+        prepared = Prepared(head, None, head.stamp(requested), async_op)
+        return self._run_numbered(sequence, head, prepared, async_op,
+                                  lambda running: self._program(program, head, requested or "auto", running, async_op))
+
+    def _program(self, program: Program, head: Call, algorithm: str, running: Running, async_op: bool) -> Any:
+        """A program's body (run_program): its steps one by one, or all in one Work (async_op)."""
+        began = timeline.now_us() if self.engine.timeline is not None else 0.0
+        if async_op:
+            team = self.team_for(running.sequence, running.stamp)
+            result = self.start(team, f"{head.label} #{running.sequence}", self._program_body(program, team), True,
+                                running)
+        else:
+            result = self._program_steps(program, running)
+        if self.engine.timeline is not None:
+            self.engine.timeline.call(head.label, began, result, _traced(head, algorithm, running.sequence))
+        if not async_op:
+            self.agreement.end(running)
         return result
 
     def _program_steps(self, program: Program, running: Running) -> Any:
@@ -217,20 +225,19 @@ class Dispatcher:
         """Run a call that talks through its Team in its own way (the object collectives)."""
         if self.capturing:
             return None  # as run_program
-        sequence = self._next()
-        stamp = Call(label, (), 0, root=root).stamp(None)
-        running = None
-        try:
-            running = self.agreement.begin(sequence, label, stamp, False)
-            team = self.team_for(sequence, stamp)
-            began = timeline.now_us() if self.engine.timeline is not None else 0.0
-            result = self.start(team, f"{label} #{sequence}", body(team), async_op, running)
-            if self.engine.timeline is not None:
-                self.engine.timeline.call(label, began, result, {"algorithm": "custom", "sequence": sequence})
-            return result
-        except BaseException as exc:
-            self._failed(sequence, label, stamp, running, exc)
-            raise
+        head = Call(label, (), 0, root=root)
+        prepared = Prepared(head, None, head.stamp(None), async_op)
+        return self._run_numbered(self._next(), head, prepared, async_op,
+                                  lambda running: self._custom(label, body, running, async_op))
+
+    def _custom(self, label: str, body: Callable[[Team], Algorithm], running: Running, async_op: bool) -> Any:
+        """A custom call's body (run_custom): one Work on the call's team, settled when it ends."""
+        team = self.team_for(running.sequence, running.stamp)
+        began = timeline.now_us() if self.engine.timeline is not None else 0.0
+        result = self.start(team, f"{label} #{running.sequence}", body(team), async_op, running)
+        if self.engine.timeline is not None:
+            self.engine.timeline.call(label, began, result, {"algorithm": "custom", "sequence": running.sequence})
+        return result
 
     def _execute(self, info: AlgorithmInfo, call: Call, running: Running, phase: int, async_op: bool,
                  teams: list[Team | None], settle: bool = False) -> Any:
@@ -251,14 +258,20 @@ class Dispatcher:
         team = teams[0] or self.team_for(running.sequence, running.stamp)
         teams[0] = team
         description = f"{call.label} #{running.sequence} ({info.name}, {call.nbytes} B per rank)"
-        body = self._team_steps(info, call, team.phase(phase))
+        # A user's op may fail on one rank after the others' parts are done: in a call of its own, they
+        # wait for every rank's word that its part went well, and so fail in the same call if one did not.
+        user_op = call.op is not None and getattr(OPS.get(call.op.name), "fn", None) is not call.op.fn
+        confirm = team.phase(_CONFIRM_PHASE) if settle and user_op else None
+        body = self._team_steps(info, call, team.phase(phase), confirm)
         return self.start(team, description, body, async_op, running if settle else None, running)
 
-    def _team_steps(self, info: AlgorithmInfo, call: Call, team: Team) -> Algorithm:
+    def _team_steps(self, info: AlgorithmInfo, call: Call, team: Team, confirm: Team | None = None) -> Algorithm:
         if call.staged is not None:
             place, block = call.staged
             place[...] = block
         yield from info.run(team, *call.args)
+        if confirm is not None:
+            yield from lookup("barrier", "dissemination").run(confirm)
         return call.finish(team.size)
 
     def _on_arena(self, info: AlgorithmInfo, call: Call, running: Running, teams: list[Team | None]) -> None:
@@ -436,16 +449,24 @@ class Dispatcher:
                    step_of=running)
         running.work = None
 
-    def close(self) -> None:
-        """Release the arena (a sub-communicator's goes with it, not with the world), stop watching."""
+    def close(self, linger: float = 0.0) -> BaseException | None:
+        """Release the arena (a sub-communicator's goes with it, not with the world), stop watching.
+
+        Args:
+            linger: seconds to wait at most for what shows a disagreement on the last call (Agreement.close).
+
+        Returns:
+            A disagreement found and not raised yet (the caller raises it once all is released), or None.
+        """
         self.closed = True
         self.lean.clear()
-        self.agreement.close()
+        found = self.agreement.close(linger)
         arena, self.arena = self.arena, None
         if arena is not None:
             if arena.close in self.engine.closers:
                 self.engine.closers.remove(arena.close)
             arena.close()
+        return found
 
     # -- for tests and benchmarks --------------------------------------------------------
 

@@ -33,7 +33,8 @@
 /* What run() and run_split() return: how far the call got (see tcoll.shm.arena.Arena.run_small). */
 enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2, REDUCED = 3 };
 
-/* dtype codes (tcoll.shm.arena.KERNEL_DTYPES) and op codes (KERNEL_OPS) */
+/* dtype codes (tcoll.shm.kernel_abi.KERNEL_DTYPES) and op codes (KERNEL_OPS); SETS and DESC_WORDS above: exported
+ * by add_shared and compared at import (check_kernel), as part_bounds is by tests/shm/test_kernel_constants.py */
 enum { F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, F16, BF16, NDTYPES };
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_BAND, OP_BOR, OP_BXOR, NOPS };
 
@@ -747,6 +748,46 @@ static struct PyModuleDef module = {
     module_methods, NULL, NULL, NULL, NULL,
 };
 
+/* part_bounds for Python, so that a test holds it to tcoll.algos.topology.part_bounds. */
+static PyObject *module_part_bounds(PyObject *self, PyObject *args) {
+    Py_ssize_t count, lo, hi;
+    int parts, index;
+    if (!PyArg_ParseTuple(args, "nii", &count, &parts, &index)) return NULL;
+    if (parts < 1 || index < 0 || index >= parts || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "part_bounds: needs count >= 0 and 0 <= index < parts");
+        return NULL;
+    }
+    part_bounds(count, parts, index, &lo, &hi);
+    return Py_BuildValue("nn", lo, hi);
+}
+
+static PyMethodDef shared_methods[] = {
+    {"part_bounds", module_part_bounds, METH_VARARGS, "(lo, hi) of part index of count cut into parts."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* The constants this file shares with Python: tcoll.shm.arena compares them at import (check_kernel). */
+static int add_shared(PyObject *m) {
+    static const char *dtypes[NDTYPES] = {"float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                                          "uint16", "uint32", "uint64", "float16", "bfloat16"};
+    static const char *ops[NOPS] = {"sum", "prod", "min", "max", "band", "bor", "bxor"};
+    PyObject *names = PyTuple_New(NDTYPES), *op_names = PyTuple_New(NOPS);
+    if (names == NULL || op_names == NULL) goto fail;
+    for (int i = 0; i < NDTYPES; i++) PyTuple_SET_ITEM(names, i, PyUnicode_FromString(dtypes[i]));
+    for (int i = 0; i < NOPS; i++) PyTuple_SET_ITEM(op_names, i, PyUnicode_FromString(ops[i]));
+    if (PyModule_AddObject(m, "DTYPES", names) < 0) goto fail;
+    names = NULL;
+    if (PyModule_AddObject(m, "OPS", op_names) < 0) goto fail;
+    op_names = NULL;
+    if (PyModule_AddIntConstant(m, "SETS", SETS) < 0 || PyModule_AddIntConstant(m, "DESC_WORDS", DESC_WORDS) < 0)
+        return -1;
+    return PyModule_AddFunctions(m, shared_methods);
+fail:
+    Py_XDECREF(names);
+    Py_XDECREF(op_names);
+    return -1;
+}
+
 PyMODINIT_FUNC PyInit__arena_kernel(void) {
     SIXTY_FOUR = PyLong_FromLong(64);
     if (SIXTY_FOUR == NULL || PyType_Ready(&KernelType) < 0) return NULL;
@@ -771,5 +812,9 @@ PyMODINIT_FUNC PyInit__arena_kernel(void) {
 #endif
     /* what the calibration measured (ns for 256 KiB at distance 16): benchmarks/copy_offsets.py prints it */
     PyModule_AddObject(m, "COPY_CALIBRATION", Py_BuildValue("(dd)", forward_ns, backward_ns));
+    if (add_shared(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

@@ -29,20 +29,15 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
 
 from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError
 from ..p2p import notice
-from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
 from ..segments import Segment
 
-try:  # the small reduction step in C (_arena_kernel.c), built with the package where a compiler is
-    from . import _arena_kernel as kernel_module
-except ImportError:  # pragma: no cover - built without it: the same steps run in Python
-    kernel_module = None  # type: ignore[assignment]
+from .kernel_abi import DESC_WORDS, KERNEL_DTYPES, KERNEL_OPS, SETS, kernel_module
 
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
@@ -50,17 +45,10 @@ if TYPE_CHECKING:
 __all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "reduce_into", "copy_bytes", "SETS", "ZERO_COPY_BYTES",
            "arena_bytes"]
 
-SETS = 2  # slot sets: step k uses set k % SETS
 _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress per so many polls
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
-_DESC_WORDS = 8  # per rank and set: call stamp (2 words), sequence, zero-copy buffer (heap id, offset, nbytes)
 _WORD = (1 << 64) - 1
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
-# What the C kernel reduces (codes of _arena_kernel.c); anything else is reduced in Python.
-KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
-    (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-     np.float16, ml_dtypes.bfloat16))}
-KERNEL_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, BAND: 4, BOR: 5, BXOR: 6, AVG: 0}  # avg: a sum, divided later
 # The steps a run_split took, by the state it returned.
 _SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
                       if kernel_module is not None else {})
@@ -147,7 +135,7 @@ class Arena:
         self._segment: Segment | None = segment
         desc_at, data_at = _layout(self.size)
         self._counters = memoryview(buf)[:8 * self.size].cast("Q")
-        self._desc = memoryview(buf)[desc_at:desc_at + 8 * _DESC_WORDS * SETS * self.size].cast("Q")
+        self._desc = memoryview(buf)[desc_at:desc_at + 8 * DESC_WORDS * SETS * self.size].cast("Q")
         data = np.frombuffer(buf, dtype=np.uint8, offset=data_at)
         self._slots = [[data[(s * self.size + q) * slot_bytes:(s * self.size + q + 1) * slot_bytes]
                         for q in range(self.size)] for s in range(SETS)]
@@ -271,7 +259,7 @@ class Arena:
         if step >= 1 and min(self._counters) < step:
             self._wait(step, None)
         self.first = step
-        at = ((step % SETS) * self.size + self.rank) * _DESC_WORDS
+        at = ((step % SETS) * self.size + self.rank) * DESC_WORDS
         desc = self._desc
         desc[at] = self.stamp & _WORD
         desc[at + 1] = self.stamp >> 64
@@ -319,10 +307,10 @@ class Arena:
         if min(self._counters) <= step:  # wait_all(step), inline
             self._wait(step + 1, None)
         desc = self._desc
-        base = (step % SETS) * self.size * _DESC_WORDS
+        base = (step % SETS) * self.size * DESC_WORDS
         low, high, sequence = self.stamp & _WORD, self.stamp >> 64, self.sequence
         for q in range(self.size):
-            at = base + q * _DESC_WORDS
+            at = base + q * DESC_WORDS
             if desc[at] != low or desc[at + 1] != high or desc[at + 2] != sequence:
                 raise self._fail(self._mismatch(q, desc[at] | desc[at + 1] << 64, desc[at + 2]))
 
@@ -344,7 +332,7 @@ class Arena:
         return self.heap.view(self._world[rank], heap_id, self._desc[at + 4], self._desc[at + 5])
 
     def _desc_at(self, step: int, rank: int) -> int:
-        return ((step % SETS) * self.size + rank) * _DESC_WORDS
+        return ((step % SETS) * self.size + rank) * DESC_WORDS
 
     # -- zero-copy buffers -------------------------------------------------------------
 
@@ -446,7 +434,7 @@ class Arena:
 def _layout(size: int) -> tuple[int, int]:
     """Byte offsets of the descriptors and of the slots, for `size` ranks (counters come first)."""
     desc_at = (8 * size + 63) & ~63
-    data_at = (desc_at + 8 * _DESC_WORDS * SETS * size + 4095) & ~4095
+    data_at = (desc_at + 8 * DESC_WORDS * SETS * size + 4095) & ~4095
     return desc_at, data_at
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
-from ..ops import Op
+from ..ops import OPS, Op
 from .arena import (KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_codes, kernel_module,
                     reduce_into)
 
@@ -153,6 +153,10 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     arena.agree(step)
     if want:
         combine_all(arena, op, slots, buf)
+    if getattr(OPS.get(op.name), "fn", None) is not op.fn:  # a user's op may fail on one rank: the others
+        # hear of it in this call, as in the three steps of _reduce_split (a built-in op does not fail)
+        arena.publish(arena.skip())
+        arena.wait_all(step + 1)
 
 
 def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:

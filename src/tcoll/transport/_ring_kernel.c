@@ -29,7 +29,7 @@
 #include "../_native/copy.h"
 #include "../_native/polling.h"
 
-#define HEADER_BYTES 40
+#define HEADER_BYTES 40  /* tcoll.p2p.channel.HEADER.size and MAGIC: compared at import (check_ring_kernel) */
 #define MAGIC 0x7C011002u
 #define HEAD_WORD 0  /* the ring's control words as uint64: head on the first cache line */
 #define TAIL_WORD 8  /* tail on the second */

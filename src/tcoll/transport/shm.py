@@ -43,7 +43,33 @@ try:  # the lean blocking send and receive in C (_ring_kernel.c), built with the
 except ImportError:  # pragma: no cover - installed without a compiler: blocking calls go through the engine
     ring_kernel = None  # type: ignore[assignment]
 
-__all__ = ["ShmTransport", "ShmChannel", "host_identity", "process_alive", "SHM_DIR", "ring_kernel"]
+__all__ = ["ShmTransport", "ShmChannel", "check_ring_kernel", "host_identity", "process_alive", "SHM_DIR",
+           "ring_kernel"]
+
+
+def check_ring_kernel(module: Any) -> None:
+    """Refuse a built ring kernel whose wire format differs from tcoll.p2p.channel's (a stale or edited build).
+
+    The kernel writes and reads whole messages, header included: a different magic
+    or header size would corrupt the stream that the Python channel reads.
+
+    Args:
+        module: the kernel extension, or None (not built: nothing to compare).
+
+    Raises:
+        ImportError: naming every constant that differs.
+    """
+    if module is None:
+        return
+    ours = {"MAGIC": MAGIC, "HEADER_BYTES": HEADER.size}
+    differ = [f"{name} is {getattr(module, name, None)!r} in C but {value!r} in tcoll.p2p.channel"
+              for name, value in ours.items() if getattr(module, name, None) != value]
+    if differ:
+        raise ImportError(f"{module.__name__} ({module.__file__}) does not match the wire format it writes: "
+                          f"{'; '.join(differ)}. Rebuild it (pip install ., or build_ext --inplace in a checkout)")
+
+
+check_ring_kernel(ring_kernel)
 
 _CONTROL = 4096  # first page: the owner's doorbell, then its "closed" word
 _CLOSED_AT = 64  # byte offset of the uint32 set when the owner closes its communicator

@@ -1,0 +1,90 @@
+"""A disagreement that shows only after its call still ends the job with an error, never with exit 0.
+
+Two cases over point-to-point, where a rank's part may end before anything
+shows it: ranks that disagree on a broadcast's root (each root only sends),
+and a root whose broadcast the others meet with an all_reduce. The rank that
+has not raised yet raises at a later call, or at close(), which waits for its
+peers when its last call only sent; `tcoll run` then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tcoll
+
+JOB = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tcoll
+
+    comm = tcoll.init()
+    x = np.full(4, comm.rank + 1.0)
+    if sys.argv[1] == "roots":  # ranks 0-2 say root 0, rank 3 says root 3
+        comm.broadcast(x, root=3 if comm.rank == 3 else 0)
+    elif comm.rank == 0:  # the others call all_reduce: they raise, rank 0 only sent
+        comm.broadcast(x, root=0)
+    else:
+        try:
+            comm.all_reduce(x)
+        except tcoll.MismatchError:
+            pass
+    print(f"rank {comm.rank} reached the end")
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["roots", "root_against_all_reduce"])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_the_job_does_not_end_well(tmp_path: Path, transport: str, case: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {**__import__("os").environ, "TCOLL_TRANSPORT": transport}
+    done = subprocess.run([sys.executable, "-m", "tcoll", "run", "-n", "4", str(script), case], env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "MismatchError" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def root_then(comm: tcoll.Communicator, then: str) -> list[str]:
+    """Rank 0 broadcasts while the others all_reduce; then barriers, or close(); what each call said."""
+    comm.timeout = 30.0
+    seen = []
+    for step in ("call", "barrier", "barrier") if then == "barriers" else ("call", "close"):
+        try:
+            if step == "call":
+                x = np.ones(4)
+                comm.broadcast(x, root=0) if comm.rank == 0 else comm.all_reduce(x)
+            elif step == "barrier":
+                comm.barrier()
+            else:
+                comm.close()
+            seen.append("ok")
+        except tcoll.TcollError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    return seen
+
+
+def _learns(said: list[str]) -> Any:
+    return [s for s in said if s.startswith("MismatchError") and "broadcast #1" in s]
+
+
+@pytest.mark.timeout(120)
+def test_the_root_learns_by_the_call_after_its_first_receiving_one() -> None:
+    seen = tcoll.spawn(root_then, 4, ("barriers",), timeout=100, transport="tcp")
+    assert seen[0][0] == "ok" and len(_learns(seen[0][1:])) == 1, seen  # barrier #2 or #3 raises it
+    for rank in (1, 2, 3):
+        assert seen[rank][0].startswith("MismatchError"), seen
+
+
+@pytest.mark.timeout(120)
+def test_the_root_learns_at_close_if_it_makes_no_other_call() -> None:
+    seen = tcoll.spawn(root_then, 4, ("close",), timeout=100, transport="tcp")
+    assert seen[0][0] == "ok" and seen[0][1].startswith("MismatchError") and "broadcast #1" in seen[0][1], seen
