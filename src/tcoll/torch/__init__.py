@@ -20,7 +20,8 @@ arena): the counterpart of registering a buffer with NCCL.
 each gradient bucket through a persistent tcoll plan over shared memory
 (`tcoll.torch.ddp`).
 
-Owns: the ProcessGroup, its Work, the DDP comm hook, tensor conversions, which communicator serves a group, any-source receives.
+Owns: the ProcessGroup, its Work, the DDP comm hook, tensor conversions, which communicator serves a group,
+any-source receives.
 May import: everything below the top (comm, startup, store, ...); the only package that imports torch.
 """
 

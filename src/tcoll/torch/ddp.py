@@ -11,11 +11,13 @@ size straight into that buffer (one pass: DDP averages, and the division is
 the copy), runs the plan, which on one host reads every rank's buffer where
 it lies instead of copying it into the arena and back out, and returns the
 buffer: DDP copies the result from it into the parameters' gradients, as it
-copies out of its own bucket without a hook. So the hook adds no pass over
-the gradients to DDP's own, and each call skips tcoll's argument checks and
-algorithm choice. A bucket whose size or dtype changes (DDP rebuilds its
-buckets after the first step) gets a new buffer and plan. A sparse bucket
-(`nn.Embedding(sparse=True)`) takes torch's own allreduce hook on the group.
+copies out of its own bucket without a hook. So the hook's one pass over the
+bucket (the division into the buffer) stands for the ordinary call's two
+(into the arena, and the result back out), and each call skips tcoll's
+argument checks and algorithm choice. A bucket whose size or dtype changes
+(DDP rebuilds its buckets after the first step) gets a new buffer and plan.
+A sparse bucket (`nn.Embedding(sparse=True)`) takes torch's own allreduce
+hook on the group.
 
 The plan's fingerprint carries the bucket's size and dtype, so ranks whose
 buckets differ get a `tcoll.MismatchError` from `backward()` on every rank,
