@@ -246,6 +246,17 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 
 @pytest.mark.timeout(60)
+def test_no_copy_leaves_the_copy_columns_out(capsys: pytest.CaptureFixture[str]) -> None:
+    small = ["all_reduce", "-n", "2", "-b", "64", "-e", "64", "--repeats", "1", "--iters", "2", "--no-floor"]
+    code, out, err = _cli(small, capsys)
+    assert code == 0, err
+    header, line = out.splitlines()
+    assert header.split()[-3:] == ["copy", "GB/s", "busbw/copy"] and float(line.split()[-2]) > 0
+    code, out, err = _cli([*small, "--no-copy"], capsys)
+    assert code == 0 and "copy" not in out, (err, out)
+
+
+@pytest.mark.timeout(60)
 def test_a_compare_target_not_installed_is_skipped(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # find_spec says: not installed
