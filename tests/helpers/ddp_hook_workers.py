@@ -61,6 +61,22 @@ def check_direct_calls(rank: int, size: int) -> None:
     assert torch.allclose(got.to_dense(), torch.stack(dense).mean(0)), (got, dense)
 
 
+def check_held_calls_run_first(rank: int, size: int) -> None:
+    """A call held before the hook (async_op=True, not yet waited for) runs before the hook's, on every rank.
+
+    Rank 0 polls its Work, which runs the call there at once; on the others it
+    is still held when the hook comes, and must run before the hook's plan.
+    """
+    t = torch.full((4,), float(rank))
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        work.is_completed()
+    got = tcoll.torch.ddp_hook(None, Bucket(7, torch.full((5,), float(rank)))).wait()
+    work.wait()
+    assert torch.equal(t, torch.full((4,), float(sum(range(size))))), t
+    assert torch.allclose(got, torch.full((5,), sum(range(size)) / size)), got
+
+
 def recording(seen: list[tuple[int, int]]) -> Any:
     """The hook, noting each bucket's (index, elements) in `seen`."""
     def hook(state, bucket):  # type: ignore[no-untyped-def] # DDP rejects annotations that are strings
@@ -74,6 +90,7 @@ def training(rank: int, size: int, port: int) -> None:
     """DDP with the hook (default, tiny and mid-sized buckets, gradients as bucket views) against one process."""
     tw.init(rank, size, port)
     check_direct_calls(rank, size)
+    check_held_calls_run_first(rank, size)
     want_grads, want_weights = tw.reference(size, [tw.STEPS] * size)
     variants: dict[str, dict[str, Any]] = {
         "default buckets": {},

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .tensors import np_view
+from .work import held_calls, run_held
 
 __all__ = ["ddp_hook", "BucketPlans", "plans_for", "tcoll_group"]
 
@@ -57,6 +58,8 @@ class BucketPlans:
             MismatchError: the ranks' buckets at this point differ in size or dtype.
             TcollError: the group is closed, or a peer failed.
         """
+        if held_calls:  # calls made before this one, still held (tcoll.torch.work), run first: the ranks' order
+            run_held()
         slot = self._slots.get(index)
         if slot is None or slot[0].shape != grads.shape or slot[0].dtype != grads.dtype:
             slot = self._slots[index] = self._make(grads)
