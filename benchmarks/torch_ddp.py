@@ -5,13 +5,15 @@
 
 Each rank count starts its processes once (torch.multiprocessing, spawn).
 The default group is tcoll's; a gloo group of the same ranks is made next to
-it. For each model and backend, in turns (tcoll, gloo, tcoll, gloo, ...), a
+it. "tcoll+hook" is the tcoll group with `tcoll.torch.ddp_hook` registered
+(each bucket averaged through a persistent plan over shared memory). For each
+model and backend, in turns (tcoll, tcoll+hook, gloo, no DDP, tcoll, ...), a
 run wraps a freshly seeded model in DistributedDataParallel on that group,
 takes 3 warm-up steps, then times `--steps` steps (forward, backward with
 DDP's bucketed all-reduces, SGD step); the slowest rank's mean is the run's
 time. The table shows the median over the runs as steps per second.
 "no DDP" runs the same steps on the same ranks at the same time without
-DDP (no communication): the most any backend could reach. The last two
+DDP (no communication): the most any backend could reach. The last
 columns are what each backend adds to a step over it: DDP's all-reduces and
 their waiting.
 
@@ -36,7 +38,8 @@ import sys
 import tempfile
 import time
 
-BACKENDS = ("tcoll", "gloo", "local")  # local: the same step without DDP, no communication
+BACKENDS = ("tcoll", "tcoll+hook", "gloo", "local")  # local: the same step without DDP, no communication
+DDP_BACKENDS = BACKENDS[:-1]
 MODELS = ("mlp", "transformer")
 
 
@@ -58,18 +61,20 @@ def _worker(rank: int, size: int, port: int, models: list[str], runs: int, steps
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import tcoll.torch  # noqa: F401 - registers the backend
+    import tcoll.torch  # registers the backend; its ddp_hook is "tcoll+hook"
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("tcoll", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=600))
-    groups = {"tcoll": dist.group.WORLD, "gloo": dist.new_group(list(range(size)), backend="gloo"),
-              "local": dist.group.WORLD}
+    groups = {"tcoll": dist.group.WORLD, "tcoll+hook": dist.group.WORLD,
+              "gloo": dist.new_group(list(range(size)), backend="gloo"), "local": dist.group.WORLD}
     times = {m: {b: [] for b in BACKENDS} for m in models}
     for _ in range(runs):
         for name in models:
             for backend in BACKENDS:
                 net, x, y = _model(name)
                 model = net if backend == "local" else DDP(net, process_group=groups[backend])
+                if backend == "tcoll+hook":
+                    model.register_comm_hook(groups[backend], tcoll.torch.ddp_hook)
                 opt = torch.optim.SGD(model.parameters(), lr=0.001)
 
                 def step() -> None:
@@ -118,15 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     models = [m for m in args.models.split(",") if m]
-    print("model | ranks | tcoll (steps/s) | gloo (steps/s) | tcoll vs gloo | no DDP (steps/s) "
-          "| tcoll ms/step over no DDP | gloo ms/step over no DDP")
-    print("---|---:|---:|---:|---:|---:|---:|---:")
+    header = ["model", "ranks", *(f"{b} (steps/s)" for b in DDP_BACKENDS), "tcoll vs gloo", "tcoll+hook vs gloo",
+              "no DDP (steps/s)", *(f"{b} ms/step over no DDP" for b in DDP_BACKENDS)]
+    print(" | ".join(header))
+    print("|".join(["---"] + ["---:"] * (len(header) - 1)))
     for ranks in (int(r) for r in args.ranks.split(",")):
         result = measure(ranks, models, args.runs, args.steps)
         for name in models:
-            t, g, none = result[name]["tcoll"], result[name]["gloo"], result[name]["local"]
-            print(f"{name} | {ranks} | {1 / t:.1f} | {1 / g:.1f} | {g / t:.2f}x | {1 / none:.1f} | "
-                  f"{(t - none) * 1e3:.2f} | {(g - none) * 1e3:.2f}", flush=True)
+            times, none = result[name], result[name]["local"]
+            cells = [name, str(ranks), *(f"{1 / times[b]:.1f}" for b in DDP_BACKENDS),
+                     *(f"{times['gloo'] / times[b]:.2f}x" for b in ("tcoll", "tcoll+hook")), f"{1 / none:.1f}",
+                     *(f"{(times[b] - none) * 1e3:.2f}" for b in DDP_BACKENDS)]
+            print(" | ".join(cells), flush=True)
     return 0
 
 

@@ -184,6 +184,48 @@ def test_persistent_plans_check_clean_and_the_floor_is_timed() -> None:
     assert "floor (us)" in table[0] and "tcoll/floor" in table[0] and any("auto/plan" in line for line in table)
 
 
+@pytest.mark.timeout(90)
+def test_the_copy_rate_is_measured_at_each_all_reduce_size_and_busbw_set_against_it() -> None:
+    config = BenchConfig(cases=["all_reduce", "broadcast"], n=2, sizes=[6, 4096, 70001], repeats=2, iters=3,
+                         warmup=1, floor=False, timeout=80)
+    results = aggregate(run_bench(config)["samples"])
+    copies = {r.nbytes: r for r in results if r.impl == "copy"}
+    assert sorted(copies) == [4, 4096, 70000]  # the all_reduce rows' sizes (whole float32 elements)
+    for r in copies.values():
+        assert r.case == "all_reduce" and len(r.times) == 2 and r.algbw > 0 and r.busbw is None, r
+    assert all(c.algbw > copies[4].algbw for n, c in copies.items() if n > 4)  # NumPy's call cost dominates 4 B
+    header, *lines = format_table(results, "all_reduce").splitlines()
+    assert header.split()[11:15] == ["#wrong", "copy", "GB/s", "busbw/copy"]
+    assert "copy (us)" not in header and "tcoll/copy" not in header  # not a compare target
+    tcoll_rows = {r.nbytes: r for r in results if r.impl == "tcoll" and r.case == "all_reduce"}
+    for line in lines:
+        cells = line.split()
+        nbytes, rate, fraction = int(cells[0]), float(cells[8]), float(cells[9])
+        want = tcoll_rows[nbytes].busbw / copies[nbytes].algbw
+        assert rate == pytest.approx(copies[nbytes].algbw, abs=1e-3) and rate > 0
+        assert fraction == pytest.approx(want, abs=0.006) and want > 0
+    assert "copy GB/s" not in format_table(results, "broadcast")
+    plan = make_plan(dataclasses.replace(config, copy=False), "tcoll")
+    assert plan["copy"] is False and make_plan(config, "tcoll")["copy"] is True
+    assert make_plan(dataclasses.replace(config, cases=["broadcast"]), "tcoll")["copy"] is False
+    assert make_plan(dataclasses.replace(config, compare=["gloo"]), "gloo")["copy"] is False
+
+
+def test_the_copy_columns_format() -> None:
+    copy = {"case": "all_reduce", "count": 256, "dtype": "float32", "op": "sum", "n": 2, "buffers": "plain",
+            "nbytes": 1024, "wrong": None, "error": None, "impl": "copy", "algorithm": "copy", "time": 2e-6}
+    results = aggregate([*_samples(), dict(copy, repeat=0), dict(copy, time=4e-6, repeat=1),
+                         dict(copy, time=1e-6, repeat=2)])
+    text = format_table(results, "all_reduce", markdown=True).splitlines()
+    assert text[0] == ("| size (B) | count | dtype | op | tcoll | time (us) | algbw (GB/s) | busbw (GB/s) | #wrong | "
+                       "copy GB/s | busbw/copy | mpi (us) | mpi busbw | tcoll/mpi |")
+    # the copy's median time 2 us: 0.512 GB/s; tcoll's busbw 1024 B / 20 us = 0.0512 GB/s: a tenth of it
+    assert text[2] == ("| 1024 | 256 | float32 | sum | auto | 20.0 | 0.051 | 0.051 | 0 | 0.512 | 0.10 | 40.0 | "
+                       "0.026 | 2.00 |")
+    assert text[3].split(" | ")[8:11] == ["-", "0.512", "-"]  # ring could not run: no fraction
+    assert format_table([r for r in results if r.impl != "copy"], "all_reduce").count("copy") == 0
+
+
 @pytest.mark.timeout(60)
 def test_dtypes_and_ops_check_clean() -> None:
     for dtype, op in (("int8", "prod"), ("bfloat16", "max"), ("float64", "min")):
@@ -201,6 +243,17 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     code = tcoll_main(["bench", *argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.mark.timeout(60)
+def test_no_copy_leaves_the_copy_columns_out(capsys: pytest.CaptureFixture[str]) -> None:
+    small = ["all_reduce", "-n", "2", "-b", "64", "-e", "64", "--repeats", "1", "--iters", "2", "--no-floor"]
+    code, out, err = _cli(small, capsys)
+    assert code == 0, err
+    header, line = out.splitlines()
+    assert header.split()[-3:] == ["copy", "GB/s", "busbw/copy"] and float(line.split()[-2]) > 0
+    code, out, err = _cli([*small, "--no-copy"], capsys)
+    assert code == 0 and "copy" not in out, (err, out)
 
 
 @pytest.mark.timeout(60)
@@ -228,13 +281,15 @@ def test_compare_gloo_and_mpi_run_the_same_checked_collectives() -> None:
                          iters=3, warmup=1, check=True, timeout=100)
     outcome = run_bench(config)
     results = aggregate(outcome["samples"])
-    assert {r.impl for r in results} == {"tcoll", "gloo", "mpi", "floor"}  # the floor: all_reduce in tcoll's run
+    # the floor and the copy rate: all_reduce, in tcoll's run
+    assert {r.impl for r in results} == {"tcoll", "gloo", "mpi", "floor", "copy"}
     for r in results:
         assert r.error is None and r.time, (r.impl, r.case, r.error)
-        assert r.wrong == (None if r.case == "barrier" or r.impl == "floor" else 0), (r.impl, r.case, r.nbytes)
+        assert r.wrong == (None if r.case == "barrier" or r.impl in ("floor", "copy") else 0), \
+            (r.impl, r.case, r.nbytes)
     assert "MPICH" in outcome["info"]["mpi"]["library"]
     line = format_table(results, "all_reduce").splitlines()[1].split()
-    assert len(line) == 8 + 3 * 3 and all(cell != "-" for cell in line[:7])
+    assert len(line) == 8 + 2 + 3 * 3 and all(cell != "-" for cell in line[:10])
 
 
 @pytest.mark.timeout(120)

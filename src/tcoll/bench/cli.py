@@ -3,7 +3,8 @@
     tcoll bench p2p [-b 8] [-e 256M] [-f 4] [--transports shm,tcp]
     tcoll bench all_reduce -n 4 -b 8 -e 256M -f 4 [-d float32] [-o sum] [--check]
         [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi,tcoll-mpi,deepspeed] [--load K]
-        [--persistent] [--repeats 3] [--iters N] [--warmup N] [--json F] [--plot F.png] [--markdown]
+        [--persistent] [--no-floor] [--no-copy] [--repeats 3] [--iters N] [--warmup N] [--json F]
+        [--plot F.png] [--markdown]
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="also time tcoll's persistent form (a plan from comm.<case>_init, run per call)")
     group.add_argument("--no-floor", dest="floor", action="store_false",
                        help="all_reduce: skip the floor column (bare Python over shared-memory flags, same run)")
+    group.add_argument("--no-copy", dest="copy", action="store_false",
+                       help="all_reduce: skip the copy columns (each rank's np.copyto rate at the row's size, "
+                            "all ranks at once, same run; busbw as a fraction of it)")
     group.add_argument("--timeout", type=float, default=1800.0,
                        help="seconds one implementation's sweep may take (default 1800)")
     group = parser.add_argument_group("p2p")
@@ -156,7 +160,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(cases=cases, n=args.nranks, sizes=sizes, dtype=args.dtype, op=args.op, root=args.root,
                        algorithm=args.algorithm, buffers=buffers, compare=compare,
                        repeats=args.repeats, iters=args.iters, warmup=args.warmup, check=args.check,
-                       timeout=args.timeout, persistent=args.persistent, floor=args.floor, mpiexec=args.mpiexec)
+                       timeout=args.timeout, persistent=args.persistent, floor=args.floor,
+                       copy=args.copy, mpiexec=args.mpiexec)
 
 
 def _header(config: BenchConfig, load: int) -> dict[str, Any]:

@@ -6,6 +6,9 @@ tcoll's busbw over its busbw ("tcoll/gloo": above 1, tcoll is faster). For
 one size both run the same bytes, so that ratio is also their time over
 tcoll's, which is what it means for a barrier (no bytes). A compare target
 with wrong elements at a size shows WRONG there instead of its time.
+all_reduce's table also has "copy GB/s", each rank's memory-copy rate at the
+row's size measured in the same run (bench.copyrate), and "busbw/copy",
+tcoll's busbw as a fraction of it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import Any, TextIO
 
 from .collectives import CASES
 
-__all__ = ["PlotUnavailable", "Progress", "Result", "aggregate", "check_plot", "format_tables", "plot",
+__all__ = ["COPY", "PlotUnavailable", "Progress", "Result", "aggregate", "check_plot", "format_tables", "plot",
            "write_json"]
+
+
+COPY = "copy"  # the impl of the copy-rate rows (bench.copyrate): columns of their own, not a compare target
 
 
 @dataclasses.dataclass
@@ -61,9 +67,11 @@ class Result:
 
     @property
     def busbw(self) -> float | None:
-        """algbw times the collective's bus factor (nccl-tests), in GB/s."""
+        """algbw times the collective's bus factor (nccl-tests), in GB/s; None for a copy-rate row (its algbw)."""
         algbw = self.algbw
-        return None if algbw is None else algbw * CASES[self.case].busbw_factor(self.n)
+        if algbw is None or self.impl == COPY:
+            return None
+        return algbw * CASES[self.case].busbw_factor(self.n)
 
     @property
     def variant(self) -> str:
@@ -119,11 +127,12 @@ def format_table(results: list[Result], case: str, markdown: bool = False) -> st
     """The table of one collective: a line per size (per tcoll variant, when several ran)."""
     mine = [r for r in results if r.case == case]
     variants = list(dict.fromkeys(r.variant for r in mine if r.impl == "tcoll"))
-    others = list(dict.fromkeys(r.impl for r in mine if r.impl != "tcoll"))
+    others = list(dict.fromkeys(r.impl for r in mine if r.impl not in ("tcoll", COPY)))
+    copies = {r.nbytes: r for r in mine if r.impl == COPY}
     sizes = list(dict.fromkeys(r.nbytes for r in mine))
     by_key = {(r.impl, r.variant if r.impl == "tcoll" else "", r.nbytes): r for r in mine}
     header = ["size (B)", "count", "dtype", "op"] + (["tcoll"] if len(variants) > 1 else [])
-    header += ["time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong"]
+    header += ["time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong"] + (["copy GB/s", "busbw/copy"] if copies else [])
     for impl in others:
         header += [f"{impl} (us)", f"{impl} busbw", f"tcoll/{impl}"]
     lines = []
@@ -134,6 +143,8 @@ def format_table(results: list[Result], case: str, markdown: bool = False) -> st
             cells = [str(nbytes), str(first.count), first.dtype, first.op] + ([variant] if len(variants) > 1 else [])
             cells += [_num(r.time * 1e6, 1) if r and r.time else "-", _num(r.algbw if r else None, 3),
                       _num(r.busbw if r else None, 3), str(r.wrong) if r and r.wrong is not None else "-"]
+            if copies:
+                cells += _copy_cells(r, copies.get(nbytes))
             for impl in others:
                 theirs = by_key.get((impl, "", nbytes))
                 if theirs and theirs.wrong:  # a wrong result is not a time (a silent fallback must not look fast)
@@ -143,6 +154,13 @@ def format_table(results: list[Result], case: str, markdown: bool = False) -> st
                           _num(theirs.busbw if theirs else None, 3), _ratio(r, theirs)]
             lines.append(cells)
     return _render(header, lines, markdown)
+
+
+def _copy_cells(r: Result | None, copy: Result | None) -> list[str]:
+    """The copy rate at a row's size and the row's busbw as a fraction of it."""
+    rate = copy.algbw if copy else None
+    busbw = r.busbw if r else None
+    return [_num(rate, 3), _num(busbw / rate if busbw and rate else None, 2)]
 
 
 def format_tables(results: list[Result], markdown: bool = False) -> str:
@@ -209,7 +227,8 @@ def plot(results: list[Result], path: str) -> None:
         else:
             for label, rs in lines.items():
                 style = "-" if label.startswith("tcoll") else "--"  # compare targets dashed
-                for ax, ys in ((bw_ax, [r.busbw for r in rs]), (time_ax, [_us(r) for r in rs])):
+                rates = [r.algbw if r.impl == COPY else r.busbw for r in rs]  # a copy's rate: its algbw
+                for ax, ys in ((bw_ax, rates), (time_ax, [_us(r) for r in rs])):
                     ax.loglog([r.nbytes for r in rs], ys, style, marker="o", label=label)
             bw_ax.set(xlabel="size (B)", ylabel="busbw (GB/s)")
             time_ax.set(xlabel="size (B)", ylabel="time (us)")

@@ -97,6 +97,7 @@ class BenchConfig:
     timeout: float = 1800.0
     persistent: bool = False  # tcoll also runs each job as a persistent plan (comm.<case>_init)
     floor: bool = True  # all_reduce: the bare-Python floor (bench.floor) in tcoll's processes
+    copy: bool = True  # all_reduce: each rank's copy rate at each size (bench.copyrate) in tcoll's processes
     mpiexec: str | None = None  # the MPI launcher for --compare mpi, tcoll-mpi (None: compare.mpiexec finds one)
 
 
@@ -134,7 +135,8 @@ def make_plan(config: BenchConfig, impl: str, progress: str | None = None) -> di
             "dtype": config.dtype, "op": config.op, "root": config.root, "iters": config.iters,
             # DeepSpeed is always checked: where it does not reduce it says nothing, and must show as wrong
             "warmup": config.warmup, "check": config.check or impl == "deepspeed", "progress": progress,
-            "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases, "mpiexec": config.mpiexec}
+            "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases,
+            "copy": config.copy and impl == "tcoll" and "all_reduce" in config.cases, "mpiexec": config.mpiexec}
 
 
 def measurements(plan: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -311,6 +313,8 @@ def tcoll_worker(comm: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
     rows = sweep(backend, plan)
     if plan.get("floor"):
         rows += floor_rows(comm, plan)
+    if plan.get("copy"):
+        rows += copy_rows(comm, plan)
     return {"rows": rows, "info": backend.info()} if comm.rank == 0 else None
 
 
@@ -336,6 +340,24 @@ def floor_rows(comm: Any, plan: dict[str, Any]) -> list[dict[str, Any]]:
                          "wrong": None, "error": None, "impl": "floor"})
     finally:
         segment.close()
+    return rows
+
+
+def copy_rows(comm: Any, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each rank's copy time (bench.copyrate) at each all_reduce size, every rank copying at once."""
+    from .copyrate import copy_seconds
+
+    dtype = resolve_dtype(plan["dtype"])
+    rows = []
+    for nbytes in plan["sizes"]:
+        lay = layout(CASES["all_reduce"], nbytes, comm.size, dtype.itemsize)
+        if lay.count == 0:
+            continue
+        iters = plan["iters"] or iterations(lay.nbytes)
+        rows.append({"case": "all_reduce", "label": "copy", "algorithm": "copy", "buffers": "plain", "form": "call",
+                     "nbytes": lay.nbytes, "count": lay.count, "dtype": plan["dtype"], "op": plan["op"],
+                     "n": comm.size, "iters": iters, "warmup": max(1, iters // 10),
+                     "time": copy_seconds(comm, lay.nbytes, iters), "wrong": None, "error": None, "impl": "copy"})
     return rows
 
 

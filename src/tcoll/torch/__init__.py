@@ -16,7 +16,12 @@ nothing but torch.distributed's import.
 collectives of a one-host tcoll group read in place (no copy into their
 arena): the counterpart of registering a buffer with NCCL.
 
-Owns: the ProcessGroup, its Work, tensor conversions, which communicator serves a group, any-source receives.
+`model.register_comm_hook(group, tcoll.torch.ddp_hook)` makes DDP average
+each gradient bucket through a persistent tcoll plan over shared memory
+(`tcoll.torch.ddp`).
+
+Owns: the ProcessGroup, its Work, the DDP comm hook, tensor conversions, which communicator serves a group,
+any-source receives.
 May import: everything below the top (comm, startup, store, ...); the only package that imports torch.
 """
 
@@ -26,7 +31,7 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["register", "empty", "split_group", "ProcessGroupTcoll", "BACKEND_NAME"]
+__all__ = ["register", "empty", "split_group", "ddp_hook", "ProcessGroupTcoll", "BACKEND_NAME"]
 
 BACKEND_NAME = "tcoll"
 
@@ -60,11 +65,15 @@ def _create(options: Any, backend_options: Any = None) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    """`empty`, `ProcessGroupTcoll` and `split_group` are imported on first use."""
+    """`empty`, `ProcessGroupTcoll`, `split_group` and `ddp_hook` are imported on first use."""
     if name == "ProcessGroupTcoll":
         from .process_group import ProcessGroupTcoll
 
         return ProcessGroupTcoll
+    if name == "ddp_hook":
+        from .ddp import ddp_hook
+
+        return ddp_hook
     if name in ("empty", "split_group"):
         from . import groups
 
