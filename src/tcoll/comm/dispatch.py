@@ -418,7 +418,7 @@ class Dispatcher:
         if self.rank == 0:
             slot = agreed_slot(self.engine.settings.shm_slot, self.size)
             one_step = self.engine.settings.shm_one_step
-            one_step = one_step_limit(self.size) if one_step < 0 else one_step
+            one_step = one_step_limit(self.size, self.engine.spin.oversubscribed) if one_step < 0 else one_step
             try:
                 segment = create_segment(self.run_id, self.engine.rank, self.size, slot, self.engine.host_shares_pids)
                 address = encode_address(slot, one_step, segment)

@@ -35,24 +35,29 @@ from .arena import (KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, k
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
 
-__all__ = ["ONE_STEP_LIMITS", "one_step", "one_step_limit", "set_one_step_limit", "all_reduce", "reduce",
+__all__ = ["ONE_STEP_LIMITS", "ONE_STEP_LIMITS_SHARED", "one_step", "one_step_limit", "set_one_step_limit", "all_reduce", "reduce",
            "broadcast", "barrier"]
 
 # An all_reduce/reduce up to this many bytes runs in one step, every rank reducing the whole vector from
 # every slot, by the number of ranks on the host; larger, in three steps where each rank reduces 1/p. The
 # one step reads p vectors where the three read about one, but synchronises once and writes the result
 # straight into the caller's buffer, so its limit falls as ranks grow. Measured with
-# benchmarks/shm_thresholds.py (docs/performance.md): 2 and 4 ranks on the 2-core EPYC and Xeon, 8 and
-# 16 on the 16-core Xeon. A count between two entries takes the nearer one (by ratio).
-ONE_STEP_LIMITS = {2: 16 << 10, 4: 128 << 10, 8: 32 << 10, 16: 8 << 10}
+# benchmarks/shm_thresholds.py (docs/performance.md): with a core per rank on the 16-core Xeon (the 2-core
+# Xeon agreed at 2 ranks); with more ranks than cores on the 2-core Xeon, where each synchronisation may
+# wait for a rank to be scheduled, and one step wins far longer. A count between two entries takes the
+# nearer one (by ratio).
+ONE_STEP_LIMITS = {2: 8 << 10, 4: 2 << 10, 8: 1 << 10, 16: 1 << 10}
+ONE_STEP_LIMITS_SHARED = {4: 8 << 10, 8: 32 << 10}  # more ranks than cores
 _limit_override: int | None = None  # set_one_step_limit (benchmarks only)
 
 
-def one_step_limit(size: int) -> int:
-    """The largest all_reduce/reduce, in bytes, that runs in one step on `size` ranks by default
-    (ONE_STEP_LIMITS; TCOLL_SHM_ONE_STEP replaces it, through rank 0's arena)."""
-    nearest = min(ONE_STEP_LIMITS, key=lambda ranks: abs(math.log(size / ranks)))
-    return ONE_STEP_LIMITS[nearest]
+def one_step_limit(size: int, oversubscribed: bool = False) -> int:
+    """The largest all_reduce/reduce, in bytes, that runs in one step on `size` ranks of a host by default
+    (ONE_STEP_LIMITS, or ONE_STEP_LIMITS_SHARED when they outnumber its cores; TCOLL_SHM_ONE_STEP replaces
+    it, through rank 0's arena)."""
+    table = ONE_STEP_LIMITS_SHARED if oversubscribed else ONE_STEP_LIMITS
+    nearest = min(table, key=lambda ranks: abs(math.log(size / ranks)))
+    return table[nearest]
 
 
 def set_one_step_limit(limit: int | None) -> None:
