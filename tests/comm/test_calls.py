@@ -279,7 +279,8 @@ def test_broadcast_from_a_read_only_root(size: int) -> None:
     tcoll.spawn(run_read_only_root, size, threads=True, timeout=50, coll_chunk="256")
 
 
-def run_late_messages(comm: tcoll.Communicator, gave_up: threading.Barrier, finished: threading.Event) -> tuple:
+def run_late_messages(comm: tcoll.Communicator, gave_up: threading.Barrier, finished: threading.Event,
+                      counted: threading.Barrier) -> tuple:
     """Ranks 1.. time out of an all_gather; rank 0 calls it only then: its messages must go nowhere."""
     out = np.zeros((comm.size, 8), dtype=np.int64)
     if comm.rank == 0:
@@ -291,6 +292,11 @@ def run_late_messages(comm: tcoll.Communicator, gave_up: threading.Barrier, fini
             pass
         finally:
             finished.set()
+        counted.wait()
+        try:  # a call that completed here while the others failed: close says so
+            comm.close()
+        except tcoll.PeerFailedError:
+            pass
         return ()
     comm.timeout = 0.3
     # its own timeout, or the notice of the rank that timed out first
@@ -301,13 +307,17 @@ def run_late_messages(comm: tcoll.Communicator, gave_up: threading.Barrier, fini
     while not finished.is_set():
         comm._engine.poll()  # take in whatever rank 0 sends meanwhile
     engine = comm._engine
-    return (out.any(), sum(map(len, engine.matcher.posted.values())), sum(map(len, engine.matcher.unexpected.values())))
+    counts = (out.any(), sum(map(len, engine.matcher.posted.values())),
+              sum(map(len, engine.matcher.unexpected.values())))
+    counted.wait()
+    return counts
 
 
 @pytest.mark.timeout(60)
 def test_a_failed_call_withdraws_its_receives_and_drops_late_messages() -> None:
     size = 3
-    results = tcoll.spawn(run_late_messages, size, (threading.Barrier(size), threading.Event()), threads=True,
+    barriers = (threading.Barrier(size), threading.Event(), threading.Barrier(size))
+    results = tcoll.spawn(run_late_messages, size, barriers, threads=True,
                           timeout=50, coll_chunk="16")
     for got in results[1:]:
         assert got == (False, 0, 0), got  # nothing landed in out, nothing left posted or queued

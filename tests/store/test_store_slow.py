@@ -16,7 +16,7 @@ from tcoll.store import StoreLimits, TCPStore, TCPStoreServer
 from tcoll.store.limits import SMALL_REQUEST
 from tcoll.store.wire import ERROR, MAGIC, NONCE, OK, U32, Op, decode, encode, proof, recv_frame, send_frame
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftovers")]
 
 KEY = b"s3cret"
 _LINGER_WAS = 5.0  # seconds a refused connection used to stay open, waiting for its client to hang up

@@ -118,8 +118,10 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = exc
         finally:
-            if comm is not None:
-                comm.close()  # peers blocked on this rank see it go at once
+            if comm is not None:  # peers blocked on this rank see it go at once
+                late = _close(comm, rank in errors)
+                if late is not None:
+                    errors[rank] = late
 
     workers = [threading.Thread(target=rank_main, args=(r,), name=f"tcoll-rank-{r}", daemon=True)
                for r in range(nprocs)]
@@ -133,7 +135,7 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
     if running:
         # Closing a communicator fails the operations its rank is blocked in: the threads end.
         for comm in comms:
-            comm.close()
+            _close(comm, True)
         stop_by = time.monotonic() + _GRACE
         for worker in workers:
             worker.join(max(0.0, stop_by - time.monotonic()))
@@ -228,6 +230,18 @@ def _pickle_function(fn: Callable[..., Any]) -> bytes:
         return cloudpickle.dumps(fn)
 
 
+def _close(comm: Any, failed: bool) -> BaseException | None:
+    """Close a rank's communicator; what close raised (a disagreement it learnt of only then) if the rank's
+    own run had not already failed, else None: that failure is the one to report."""
+    from ..errors import TcollError
+
+    try:
+        comm.close()
+    except TcollError as exc:
+        return None if failed else exc
+    return None
+
+
 def _process_main(payload: bytes, args: tuple[Any, ...], env: dict[str, str], init_kwargs: dict[str, Any],
                   pipe: Connection) -> None:
     """The body of a rank process: init, run fn, report the result or the error."""
@@ -241,9 +255,10 @@ def _process_main(payload: bytes, args: tuple[Any, ...], env: dict[str, str], in
         status, value, text = "ok", fn(comm, *args), ""
     except BaseException as exc:  # noqa: BLE001 - sent to the parent
         status, value, text = "error", exc, traceback.format_exc()
-    finally:
-        if comm is not None:
-            comm.close()
+    if comm is not None:
+        late = _close(comm, status == "error")
+        if late is not None:
+            status, value, text = "error", late, "".join(traceback.format_exception(late))
     # The value travels pickled on its own, so that the parent still gets the
     # status and the traceback text when the value does not survive the trip.
     try:
