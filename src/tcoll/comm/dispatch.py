@@ -23,6 +23,7 @@ Importing this module registers both algorithm families.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,8 @@ class Dispatcher:
         self.closed = False
         self.capturing = False  # a plan is being made: run() hands back the call instead of running it
         self.lean: dict[Any, Any] = {}  # the lean path's prepared calls (tcoll.comm.plans.lean_call)
+        self.current: tuple[int, Prepared] | None = None  # the last call run through _run_prepared
+        engine.callers.append(weakref.ref(self))  # the hang report reads its calls (tcoll.comm.progress)
 
     # -- running ---------------------------------------------------------------------
 
@@ -119,6 +122,7 @@ class Dispatcher:
 
     def _run_prepared(self, prepared: Prepared, sequence: int) -> Any:
         call, info = prepared.call, prepared.info
+        self.current = (sequence, prepared)  # what the hang report names (tcoll.comm.progress): no call made
         running = None
         try:
             running = self.agreement.begin(sequence, call.label, prepared.stamp, info.direct)

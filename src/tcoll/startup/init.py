@@ -6,8 +6,10 @@ import dataclasses
 import threading
 from typing import Any
 
+from ..comm import progress
 from ..comm.communicator import Communicator, on_close, track
 from ..env import Settings
+from ..p2p import reporter
 from ..store.base import Store
 from ..store.signed import SignedStore
 from . import keys, rendezvous
@@ -115,7 +117,9 @@ def connect(store: Store, rank: int, size: int, settings: Settings, run_id: str,
     generation = store.add(f"tcoll/generation/{rank}", 1)
     scoped = store.prefix(f"tcoll/world{generation}")
     engine, transports = connect_world(scoped, rank, size, settings, run_id, master_host)
-    return track(Communicator(engine, transports, run_id))
+    comm = track(Communicator(engine, transports, run_id))
+    reporter.watch(engine, run_id, progress.calls)  # what `tcoll status` and the hang report read
+    return comm
 
 
 def _forget_default(comm: Communicator) -> None:
