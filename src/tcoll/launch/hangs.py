@@ -164,19 +164,21 @@ def report(job: str, states: list[dict[str, Any]], now: float | None = None) -> 
     rows = {row.rank: row for row in (Rank(state, now) for state in states)}
     size = max([int(s.get("size", 0)) for s in states] + [0])
     quiet = quiet_for(states, now)
-    lines = [f"tcoll: hang report for job {job} ({len(rows)} of {size} ranks published; "
-             f"no progress for {quiet:.0f} s)",
-             f"  {'rank':>4}  {'call':<34} {'waits for':<26} {'at':<40} {'waited':>7}"]
+    table = [("rank", "call", "waits for", "at", "waited")]
     for rank in range(size):
         row = rows.get(rank)
         if row is None:
-            lines.append(f"  {rank:>4}  {'(published nothing)':<34}")
+            table.append((str(rank), "(published nothing)", "", "", ""))
             continue
         waits = (f"{_ranks(row.peers)}" + (f" ({row.detail})" if row.detail else "")) if row.peers else "-"
-        what = row.call or row.idle
-        if row.stopped:
-            what += " [stopped]"
-        lines.append(f"  {rank:>4}  {what:<34} {waits:<26} {row.at:<40} {row.waited:>6.0f}s")
+        what = (row.call or row.idle) + (" [stopped]" if row.stopped else "")
+        table.append((str(rank), what, waits, row.at, f"{row.waited:.0f} s"))
+    widths = [max(len(line[k]) for line in table) for k in range(5)]
+    lines = [f"tcoll: hang report for job {job} ({len(rows)} of {size} ranks published; "
+             f"no progress for {quiet:.0f} s)"]
+    for line in table:
+        lines.append("  " + "  ".join([line[0].rjust(widths[0]), *(line[k].ljust(widths[k]) for k in (1, 2, 3)),
+                                       line[4].rjust(widths[4])]).rstrip())
     lines.append(f"verdict: {verdict(rows, size)}")
     return "\n".join(lines)
 
