@@ -253,7 +253,7 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     """Show where the ranks of this user's running tcoll jobs are: a row per rank and a verdict (a hang report)."""
-    from tcoll.launch.hangs import job_states, report, running_jobs
+    from tcoll.launch.hangs import ask_dump, job_states, report, running_jobs
 
     jobs = running_jobs()
     if args.job:
@@ -263,6 +263,8 @@ def _status(args: argparse.Namespace) -> int:
               "(ranks publish their state unless TCOLL_STATUS=off)", file=sys.stderr)
         return 1
     print("\n\n".join(report(job, job_states(job, directory)) for job, directory in jobs.items()))
+    for job, directory in jobs.items():
+        ask_dump(job, directory)  # ranks with TCOLL_DUMP write their flight-recorder dumps
     return 0
 
 

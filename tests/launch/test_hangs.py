@@ -69,7 +69,7 @@ ASLEEP = """
 @pytest.mark.timeout(90)
 def test_a_rank_asleep_in_user_code_is_named_with_its_line(tmp_path: Path) -> None:
     run_id = f"hangasleep{os.getpid()}"
-    proc = _start(tmp_path, ASLEEP, 4, run_id, TCOLL_HANG_REPORT="5")
+    proc = _start(tmp_path, ASLEEP, 4, run_id, TCOLL_HANG_REPORT="5", TCOLL_DUMP=str(tmp_path / "dump"))
     try:
         text = _until_verdict(proc)
         stuck_for = time.time() - (tmp_path / "asleep").stat().st_mtime
@@ -82,9 +82,20 @@ def test_a_rank_asleep_in_user_code_is_named_with_its_line(tmp_path: Path) -> No
         assert len(rows) == 3 and all("all_reduce #4" in row and "job.py:7" in row for row in rows), text
         seen = _status(run_id)
         assert verdict_line.split(";")[0] in seen and "all_reduce #4" in seen, seen
+        dumps = [tmp_path / "dump" / f"tcoll_trace_{rank}" for rank in range(4)]  # the report asked for them
+        deadline = time.monotonic() + 30
+        while not all(path.exists() for path in dumps):
+            assert time.monotonic() < deadline, "the ranks did not write their flight-recorder dumps"
+            time.sleep(0.05)
     finally:
         _stop(proc)
     assert not os.path.exists(status.job_dir(run_id)), "the launcher left the published states behind"
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    analysed = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                               str(tmp_path / "dump")], capture_output=True, text=True, timeout=60, check=False)
+    assert analysed.returncode == 0, analysed.stderr
+    assert "missing ranks: {2}" in analysed.stdout + analysed.stderr
+    assert "sequence number: 4" in analysed.stdout + analysed.stderr
 
 
 DEADLOCK = """

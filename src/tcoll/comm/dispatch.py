@@ -88,6 +88,7 @@ class Dispatcher:
         self.lean: dict[Any, Any] = {}  # the lean path's prepared calls (tcoll.comm.plans.lean_call)
         self.current: tuple[int, Prepared] | None = None  # the last call run through _run_prepared
         engine.callers.append(weakref.ref(self))  # the hang report reads its calls (tcoll.comm.progress)
+        self.record: Callable[[int, Prepared], None] | None = None  # the flight recorder's, with TCOLL_DUMP
 
     # -- running ---------------------------------------------------------------------
 
@@ -123,6 +124,8 @@ class Dispatcher:
     def _run_prepared(self, prepared: Prepared, sequence: int) -> Any:
         call, info = prepared.call, prepared.info
         self.current = (sequence, prepared)  # what the hang report names (tcoll.comm.progress): no call made
+        if self.record is not None:  # TCOLL_DUMP (tcoll.comm.recorder); None otherwise
+            self.record(sequence, prepared)
         running = None
         try:
             running = self.agreement.begin(sequence, call.label, prepared.stamp, info.direct)

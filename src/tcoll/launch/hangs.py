@@ -17,7 +17,8 @@ from typing import Any
 
 from tcoll.p2p import status
 
-__all__ = ["Rank", "report", "verdict", "quiet_for", "progress_key", "job_states", "running_jobs", "remove_job"]
+__all__ = ["Rank", "report", "verdict", "quiet_for", "progress_key", "job_states", "running_jobs", "remove_job", "ask_dump", "HangWatch",
+           "hang_after"]
 
 
 class Rank:
@@ -222,6 +223,17 @@ def running_jobs() -> dict[str, str]:
     return found
 
 
+def ask_dump(job: str, directory: str | None = None) -> None:
+    """Ask the ranks of job `job` to write their flight-recorder dumps (those that run with TCOLL_DUMP)."""
+    path = os.path.join(directory or status.job_dir(job), "dump")
+    try:
+        with open(path, "a"):
+            pass
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def remove_job(job: str) -> None:
     """Remove job `job`'s directory (the launcher's cleanup)."""
     for base in status.bases():
@@ -254,6 +266,7 @@ class HangWatch:
         if key != self.reported:
             self.reported = key
             self.say(report(self.job, states))
+            ask_dump(self.job)
 
     def report_now(self, only_if_stuck: bool = False) -> None:
         """Report at once (SIGUSR1, Ctrl-C), if the ranks published anything."""
@@ -261,6 +274,7 @@ class HangWatch:
         if states and (stuck(states) or not only_if_stuck):
             self.reported = progress_key(states)
             self.say(report(self.job, states))
+            ask_dump(self.job)
 
 
 def hang_after(env: dict[str, str]) -> float:

@@ -42,8 +42,10 @@ def period() -> float:
 class _Watched:
     """One engine as the reporter sees it: where it publishes, and what it published last."""
 
-    def __init__(self, engine: Any, job: str, calls: Callable[[Any], list[dict[str, Any]]], directory: str) -> None:
+    def __init__(self, engine: Any, job: str, calls: Callable[[Any], list[dict[str, Any]]], directory: str,
+                 dump: Callable[[list[dict[str, Any]]], Any] | None) -> None:
         self.engine = weakref.ref(engine)
+        self.dump, self.asked = dump, 0
         self.rank, self.size, self.job, self.calls, self.directory = engine.rank, engine.size, job, calls, directory
         self.key: Any = None
         self.since = time.time()
@@ -79,7 +81,10 @@ class _Reporter:
         engine = entry.engine()
         if engine is None:
             return
-        state = sample(engine, entry.calls, frames)
+        frame = _thread_of(engine.rank, frames)
+        state = sample(engine, entry.calls, frame)
+        if entry.dump is not None:
+            self._dump_if_asked(entry, frame)
         key = (tuple((c["sequence"], (c["call"] or {}).get("sequence")) for c in state["comms"]),
                (state["waiting"] or {}).get("what"), state["where"])
         if key != entry.key:
@@ -88,6 +93,17 @@ class _Reporter:
         if state != entry.written:
             status.publish(entry.directory, entry.rank, state)
             entry.written = state
+
+    @staticmethod
+    def _dump_if_asked(entry: _Watched, frame: Any) -> None:
+        """Write the flight recorder's dump when a report asked for one (it touches `dump` in the job's directory)."""
+        try:
+            asked = os.stat(os.path.join(entry.directory, "dump")).st_mtime_ns
+        except OSError:
+            return
+        if asked != entry.asked:
+            entry.asked = asked
+            entry.dump(status.frames_of(frame))
 
     def forget(self, entry: _Watched) -> None:
         """Stop publishing for an engine that closes, and remove its file."""
@@ -104,13 +120,15 @@ _reporter: _Reporter | None = None
 _reporter_lock = threading.Lock()
 
 
-def watch(engine: Any, job: str, calls: Callable[[Any], list[dict[str, Any]]]) -> bool:
+def watch(engine: Any, job: str, calls: Callable[[Any], list[dict[str, Any]]],
+          dump: Callable[[list[dict[str, Any]]], Any] | None = None) -> bool:
     """Publish `engine`'s state for job `job` from now until it closes (unless TCOLL_STATUS is off).
 
     Args:
         engine: the rank's engine.
         job: the job's run id (the directory's name).
         calls: returns the calls of the engine's communicators (tcoll.comm.progress.calls).
+        dump: writes the flight recorder's dump, given the frames of the call under way (TCOLL_DUMP).
 
     Returns:
         Whether it is published (False: reporting is off, or no private directory could be made).
@@ -123,7 +141,7 @@ def watch(engine: Any, job: str, calls: Callable[[Any], list[dict[str, Any]]]) -
         directory = status.job_dir(job, create=True)
     except OSError:
         return False
-    entry = _Watched(engine, job, calls, directory)
+    entry = _Watched(engine, job, calls, directory, dump)
     with _reporter_lock:
         if _reporter is None or _reporter.pid != os.getpid():  # none yet, or the one of the parent of a fork
             _reporter = _Reporter(tick)
@@ -149,14 +167,13 @@ def _thread_of(rank: int, frames: dict[int, Any]) -> Any:
     return frames.get(main)
 
 
-def sample(engine: Any, calls: Callable[[Any], list[dict[str, Any]]], frames: dict[int, Any]) -> dict[str, Any]:
-    """What the report needs of one rank now (see tcoll.launch.hangs for how it is read)."""
+def sample(engine: Any, calls: Callable[[Any], list[dict[str, Any]]], frame: Any) -> dict[str, Any]:
+    """What the report needs of one rank now, `frame` being its thread's (see tcoll.launch.hangs for the reading)."""
     waiting = engine.waiting
     noted = None
     if waiting is not None and not waiting.over():
         noted = {"what": waiting.what, "peers": list(waiting.peers), "detail": waiting.detail,
                  "since": status.wall(waiting.since)}
-    frame = _thread_of(engine.rank, frames)
     user = status.user_frame(frame)
     return {"rank": engine.rank, "size": engine.size, "comms": calls(engine), "waiting": noted,
             "in_tcoll": status.in_tcoll(frame), "where": status.where(user), "code": status.source_line(user),

@@ -28,7 +28,7 @@ from typing import Any
 
 from . import notice
 
-__all__ = ["Waiting", "note_wait", "bases", "job_dir", "publish", "read_job", "user_frame", "stack_top", "wall"]
+__all__ = ["Waiting", "note_wait", "bases", "job_dir", "publish", "read_job", "user_frame", "stack_top", "wall", "frames_of"]
 
 _TCOLL = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Frames that are nobody's own code: tcoll's, the standard library's, installed packages' (torch's wrappers).
@@ -125,6 +125,15 @@ def stack_top(frame: FrameType | None, count: int = 4) -> list[str]:
         top.append(f"{where(frame)} in {frame.f_code.co_name}")
         frame = frame.f_back
     return top
+
+
+def frames_of(frame: FrameType | None, count: int = 16) -> list[dict[str, Any]]:
+    """The innermost `count` frames as torch's flight recorder lists them: filename, line, name."""
+    found = []
+    while frame is not None and len(found) < count:
+        found.append({"filename": frame.f_code.co_filename, "line": frame.f_lineno, "name": frame.f_code.co_name})
+        frame = frame.f_back
+    return found
 
 
 def source_line(frame: FrameType | None) -> str:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from ..comm import progress
+from ..comm import progress, recorder
 from ..comm.communicator import Communicator, on_close, track
 from ..env import Settings
 from ..p2p import reporter
@@ -118,8 +119,22 @@ def connect(store: Store, rank: int, size: int, settings: Settings, run_id: str,
     scoped = store.prefix(f"tcoll/world{generation}")
     engine, transports = connect_world(scoped, rank, size, settings, run_id, master_host)
     comm = track(Communicator(engine, transports, run_id))
-    reporter.watch(engine, run_id, progress.calls)  # what `tcoll status` and the hang report read
+    reporter.watch(engine, run_id, progress.calls, _recording(engine))  # what `tcoll status` and reports read
     return comm
+
+
+def _recording(engine: Any) -> Callable[[list[dict[str, Any]]], Any] | None:
+    """With TCOLL_DUMP: keep the world's last calls (tcoll.comm.recorder); how to dump them, or None."""
+    dispatcher = engine.callers[0]() if engine.callers else None
+    kept = None if dispatcher is None else recorder.attach(dispatcher, list(range(engine.size)), engine.rank)
+    if kept is None:
+        return None
+
+    def dump(frames: list[dict[str, Any]]) -> Any:
+        return recorder.dump(kept, dispatcher, frames)
+
+    engine.closers.insert(0, lambda: dump([]))  # at close too, before the world's file is removed
+    return dump
 
 
 def _forget_default(comm: Communicator) -> None:
