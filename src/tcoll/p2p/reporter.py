@@ -65,9 +65,15 @@ class _Reporter:
         self.thread.start()
 
     def _loop(self) -> None:
+        global _reporter
         while True:
             self.wake.wait(self.tick)
             self.wake.clear()
+            with _reporter_lock:
+                if not self.watched:  # every engine closed: the thread ends (watch() starts a new one)
+                    if _reporter is self:
+                        _reporter = None
+                    return
             frames = status.thread_frames()
             with self.lock:  # forget() waits: a closed rank's file is never written again after it is removed
                 for entry in self.watched:
@@ -91,7 +97,11 @@ class _Reporter:
             entry.key, entry.since = key, time.time()
         state.update(job=entry.job, pid=self.pid, host=socket.gethostname(), since=entry.since)
         if state != entry.written:
-            status.publish(entry.directory, entry.rank, state)
+            try:
+                status.publish(entry.directory, entry.rank, state)
+            except FileNotFoundError:  # the last rank to close removed the directory meanwhile
+                status.job_dir(entry.job, create=True)
+                status.publish(entry.directory, entry.rank, state)
             entry.written = state
 
     @staticmethod
@@ -110,8 +120,11 @@ class _Reporter:
         with self.lock:
             if entry in self.watched:
                 self.watched.remove(entry)
+        if not self.watched:
+            self.wake.set()  # the thread ends at once
         try:
             os.unlink(os.path.join(entry.directory, f"rank-{entry.rank}.json"))
+            os.rmdir(entry.directory)  # the last rank of the host to close removes the job's directory
         except OSError:
             pass
 
@@ -142,12 +155,12 @@ def watch(engine: Any, job: str, calls: Callable[[Any], list[dict[str, Any]]],
     except OSError:
         return False
     entry = _Watched(engine, job, calls, directory, dump)
-    with _reporter_lock:
+    with _reporter_lock:  # held while the thread decides to end: an engine is never added to an ending one
         if _reporter is None or _reporter.pid != os.getpid():  # none yet, or the one of the parent of a fork
             _reporter = _Reporter(tick)
         reporter = _reporter
-    with reporter.lock:
-        reporter.watched.append(entry)
+        with reporter.lock:
+            reporter.watched.append(entry)
     engine.closers.append(lambda: reporter.forget(entry))
     reporter.wake.set()  # the first sample now: a rank is visible as soon as it joined
     return True
