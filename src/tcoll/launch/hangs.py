@@ -220,6 +220,8 @@ def running_jobs() -> dict[str, str]:
                 found.setdefault(name, directory)
             elif states:
                 shutil.rmtree(directory, ignore_errors=True)  # every rank of it is gone (killed)
+            elif _older_than(directory, 60.0):
+                _rmdir(directory)  # empty for a minute: no rank is about to publish there
     return found
 
 
@@ -232,6 +234,20 @@ def ask_dump(job: str, directory: str | None = None) -> None:
         os.utime(path)
     except OSError:
         pass
+
+
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _rmdir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # a rank published meanwhile
 
 
 def remove_job(job: str) -> None:
