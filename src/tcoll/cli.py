@@ -245,10 +245,34 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``tcoll status`` subparser."""
+    parser.add_argument("--job", default="", metavar="ID", help="only this job (its run id; default: every job "
+                                                                "of this user running on this host)")
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Show where the ranks of this user's running tcoll jobs are: a row per rank and a verdict (a hang report)."""
+    from tcoll.launch.hangs import ask_dump, job_states, report, running_jobs
+
+    jobs = running_jobs()
+    if args.job:
+        jobs = {args.job: jobs[args.job]} if args.job in jobs else {}
+    if not jobs:
+        print(f"tcoll status: no running tcoll job{' ' + args.job if args.job else ''} of this user on this host "
+              "(ranks publish their state unless TCOLL_STATUS=off)", file=sys.stderr)
+        return 1
+    print("\n\n".join(report(job, job_states(job, directory)) for job, directory in jobs.items()))
+    for job, directory in jobs.items():
+        ask_dump(job, directory)  # ranks with TCOLL_DUMP write their flight-recorder dumps
+    return 0
+
+
 register_command("run", _add_run_arguments, _run)
 register_command("bench", _add_bench_arguments, _bench)
 register_command("explain", _add_explain_arguments, _explain)
 register_command("trace", _add_trace_arguments, _trace)
+register_command("status", _add_status_arguments, _status)
 
 
 # -- entry point ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ Importing this module registers both algorithm families.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,9 @@ class Dispatcher:
         self.closed = False
         self.capturing = False  # a plan is being made: run() hands back the call instead of running it
         self.lean: dict[Any, Any] = {}  # the lean path's prepared calls (tcoll.comm.plans.lean_call)
+        self.current: tuple[int, Prepared] | None = None  # the last call run through _run_prepared
+        engine.callers.append(weakref.ref(self))  # the hang report reads its calls (tcoll.comm.progress)
+        self.record: Callable[[int, Prepared], None] | None = None  # the flight recorder's, with TCOLL_DUMP
 
     # -- running ---------------------------------------------------------------------
 
@@ -130,6 +134,9 @@ class Dispatcher:
         try:
             if prepared is None:
                 prepared = self.prepare(call, async_op)
+            self.current = (sequence, prepared)  # what the hang report names (tcoll.comm.progress): no call made
+            if self.record is not None:  # TCOLL_DUMP (tcoll.comm.recorder); None otherwise
+                self.record(sequence, prepared)
             if body is not None:
                 running = self.agreement.begin(sequence, call.label, prepared.stamp, False)
                 return body(running)

@@ -20,6 +20,7 @@ from types import FrameType
 from tcoll.errors import TcollError
 from tcoll.launch.config import LaunchConfig, free_port, new_run_id
 from tcoll.launch.coordinator import NodeCoordinator, RemoteFailure, connect_store
+from tcoll.launch.hangs import HangWatch, hang_after, remove_job
 from tcoll.launch.output import LineForwarder, Sink
 from tcoll.launch.process import (
     RankProcess,
@@ -100,6 +101,8 @@ class Runner:
         self._raise_on_signal = False
         self._old_handlers: dict[int, object] = {}
         self._old_wakeup_fd: int | None = None
+        self._hangs: HangWatch | None = None  # the hang report (tcoll.launch.hangs), once the ranks run
+        self._report_asked = False  # SIGUSR1 came: report where the ranks are
 
     def run(self) -> int:
         """Start the store and the ranks, supervise them, clean up; return the exit code."""
@@ -107,6 +110,7 @@ class Runner:
         try:
             store, torch_port = self._open_store()
             self._raise_on_signal = False  # from now on a signal is forwarded to the ranks
+            self._hangs = HangWatch(self.config.run_id, hang_after(self.config.env), self._sink.message)
             self._spawn_all(store, torch_port)
             code = self._supervise()
             if code == 0 and self._coord is not None:
@@ -153,7 +157,7 @@ class Runner:
         if threading.current_thread() is not threading.main_thread():
             return  # signals can only be handled there; the loop then polls
         self._old_wakeup_fd = signal.set_wakeup_fd(self._waker.write_fd, warn_on_full_buffer=False)
-        for signum in (*_HANDLED, signal.SIGCHLD):
+        for signum in (*_HANDLED, signal.SIGCHLD, signal.SIGUSR1):
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
         self._raise_on_signal = True
 
@@ -169,6 +173,9 @@ class Runner:
         """Record a signal; before any rank exists, abandon the setup instead."""
         if signum == signal.SIGCHLD:
             return  # the wake-up fd already woke the main loop
+        if signum == signal.SIGUSR1:
+            self._report_asked = True  # a hang report, and the job goes on
+            return
         self._signals.append(signum)
         if self._raise_on_signal:
             self._raise_on_signal = False
@@ -273,6 +280,11 @@ class Runner:
             code = self._check_remote()
             if code is not None:
                 return code
+            if self._hangs is not None:
+                if self._report_asked:
+                    self._report_asked = False
+                    self._hangs.report_now()
+                self._hangs.check()
             self._waker.wait(_POLL)
 
     def _cause(self, first: RankProcess) -> RankProcess:
@@ -313,6 +325,8 @@ class Runner:
     def _on_interrupt(self, signum: int) -> int:
         """Forward a received signal to every rank, stop them, return 128 + signum."""
         name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self._hangs is not None:
+            self._hangs.report_now(only_if_stuck=True)  # Ctrl-C on a stuck job: say where it was stuck
         self._sink.message(f"tcoll run: received {name}, stopping {len(self._alive)} local ranks")
         if self._coord is not None:
             self._coord.abort(-1, 128 + signum, f"its launcher received {name}")
@@ -410,6 +424,8 @@ class Runner:
         if self._server is not None:
             self._server.close()  # type: ignore[attr-defined]
         remove_shm_segments(self.config.run_id)
+        if self.config.run_id:
+            remove_job(self.config.run_id)  # the ranks' published states (tcoll.p2p.status)
 
 
 def _is_echo(entry: RankProcess) -> bool:

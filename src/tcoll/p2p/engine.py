@@ -26,7 +26,7 @@ import numpy as np
 
 from ..env import Settings
 from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
-from . import notice, timeline
+from . import notice, status, timeline
 from .channel import Channel
 from .hosts import HostMap
 from .waiting import Doorbell, SpinPolicy, bind_share, cpu_count
@@ -79,6 +79,8 @@ class Engine:
         self.poll_only = False  # a channel has nothing that could wake a sleeper (MPI): waits poll, never sleep
         self.host_shares_pids = True  # every rank of this host sees the others' pids (set when connecting)
         self.timeline = timeline.from_env(rank)  # TCOLL_TRACE: None when off, the only cost then
+        self.waiting: status.Waiting | None = None  # what a long wait waits for: set on its slow path (status)
+        self.callers: list[Any] = []  # weak references to what numbers calls on it (dispatchers), for reports
         self._lean_spin()
 
     def _lean_spin(self) -> None:
@@ -356,9 +358,7 @@ class Engine:
                 next_liveness = now + self.settings.liveness_interval
                 if work._done:
                     break
-                if now >= notice_at:
-                    notice.say(self.rank, work.description, work.peers(), now - start, limit)
-                    notice_at = float("inf")
+                notice_at = status.note_wait(self, self.rank, work, start, now, notice_at, limit)  # slow path only
             if now >= deadline:
                 raise self._timeout_error(work, limit)
             if moved:

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..algos.stamps import describe, disagreement
 from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError
-from ..p2p import notice
+from ..p2p import notice, status
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
 from ..segments import Segment
 
@@ -405,6 +405,10 @@ class Arena:
             if now >= deadline or now >= next_probe:
                 self._check_behind(target, rank, now >= deadline)
                 next_probe = now + interval
+                engine.waiting = status.Waiting(  # for the hang report (tcoll.p2p.status): slow path only
+                    f"{self.label} #{self.sequence} (shm)", [self._world[q] for q in range(self.size)
+                                                             if (rank is None or q == rank) and counters[q] < target],
+                    f"arena step {target}", start, ready)
                 if now >= notice_at:
                     behind = [q for q in range(self.size) if (rank is None or q == rank) and counters[q] < target]
                     notice.say(self.rank, f"{self.label} #{self.sequence} (shm)", behind, now - start, self.timeout)

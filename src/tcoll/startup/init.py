@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from ..comm import progress, recorder
 from ..comm.communicator import Communicator, on_close, track
 from ..env import Settings
+from ..p2p import reporter
 from ..store.base import Store
 from ..store.signed import SignedStore
 from . import keys, rendezvous
@@ -115,7 +118,23 @@ def connect(store: Store, rank: int, size: int, settings: Settings, run_id: str,
     generation = store.add(f"tcoll/generation/{rank}", 1)
     scoped = store.prefix(f"tcoll/world{generation}")
     engine, transports = connect_world(scoped, rank, size, settings, run_id, master_host)
-    return track(Communicator(engine, transports, run_id))
+    comm = track(Communicator(engine, transports, run_id))
+    reporter.watch(engine, run_id, progress.calls, _recording(engine))  # what `tcoll status` and reports read
+    return comm
+
+
+def _recording(engine: Any) -> Callable[[list[dict[str, Any]]], Any] | None:
+    """With TCOLL_DUMP: keep the world's last calls (tcoll.comm.recorder); how to dump them, or None."""
+    dispatcher = engine.callers[0]() if engine.callers else None
+    kept = None if dispatcher is None else recorder.attach(dispatcher, list(range(engine.size)), engine.rank)
+    if kept is None:
+        return None
+
+    def dump(frames: list[dict[str, Any]]) -> Any:
+        return recorder.dump(kept, dispatcher, frames)
+
+    engine.closers.insert(0, lambda: dump([]))  # at close too, before the world's file is removed
+    return dump
 
 
 def _forget_default(comm: Communicator) -> None:

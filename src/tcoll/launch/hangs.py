@@ -1,0 +1,302 @@
+"""The hang report: a row per rank (its call, what it waits for, its source line, how long), then a verdict.
+
+Read from the files the ranks publish (tcoll.p2p.status, tcoll.p2p.reporter),
+by `tcoll run` (after TCOLL_HANG_REPORT seconds without progress, on Ctrl-C,
+on SIGUSR1) and by `tcoll status`. The verdict names the culprit in words:
+the rank the others wait for that waits for nobody (asleep in user code, in
+another call, stopped), or a cycle of ranks that wait for each other.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from typing import Any
+
+from tcoll.p2p import status
+
+__all__ = ["Rank", "report", "verdict", "quiet_for", "progress_key", "job_states", "running_jobs", "remove_job", "ask_dump", "HangWatch",
+           "hang_after"]
+
+
+class Rank:
+    """One rank's row, derived from its published state.
+
+    Attributes:
+        rank: its world rank.
+        state: what it published.
+        call: the call it is in ("all_reduce #4 (shm, 16 B)"), or "" when it is in none.
+        idle: "no call since all_reduce #3" when it is in none.
+        peers: the world ranks it waits for.
+        detail: the tag or arena step it waits for.
+        waited: seconds in this state.
+        stopped: its process is stopped (SIGSTOP, a debugger).
+    """
+
+    def __init__(self, state: dict[str, Any], now: float) -> None:
+        self.rank, self.state = int(state["rank"]), state
+        noted = state.get("waiting")
+        comms = state.get("comms") or []
+        under_way = [c for c in comms if c.get("call")]
+        self.call, self.idle = "", ""
+        self.label = ""
+        if under_way:
+            call = under_way[0]["call"]
+            self.label = f"{call['label']} #{call['sequence']}"
+            how = [part for part in (call.get("algorithm"), _bytes(call.get("bytes"))) if part]
+            self.call = self.label + (f" ({', '.join(how)})" if how else "")
+        elif noted:
+            self.call = self.label = noted["what"]
+        elif state.get("in_tcoll"):
+            self.call = self.label = "in tcoll (point-to-point)"
+        else:
+            world = comms[0] if comms else {"sequence": 0, "last": None}
+            last = f"{world['last'] or 'call'} #{world['sequence']}"
+            self.idle = f"no call since {last}" if world["sequence"] else "no call yet"
+        self.peers: list[int] = sorted(noted["peers"]) if noted else []
+        self.detail = noted["detail"] if noted else ""
+        self.recv = bool(noted) and noted["what"].startswith("recv")
+        self.waited = now - float(noted["since"] if noted else state.get("since", now))
+        self.stopped = _stopped(state)
+
+    @property
+    def at(self) -> str:
+        """Where its user code is: "job.py:7 (time.sleep(100))"."""
+        code = self.state.get("code") or ""
+        return self.state.get("where", "?") + (f" ({code})" if code else "")
+
+
+def _bytes(count: Any) -> str:
+    return "" if count is None else f"{count} B"
+
+
+def _stopped(state: dict[str, Any]) -> bool:
+    """Whether the rank's process (on this host) is stopped: state T or t in /proc/<pid>/stat."""
+    if state.get("host") != socket.gethostname():
+        return False
+    try:
+        with open(f"/proc/{int(state['pid'])}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, ValueError, IndexError, KeyError):
+        return False
+
+
+def _alive(state: dict[str, Any]) -> bool:
+    if state.get("host") != socket.gethostname():
+        return True  # another host's rank: cannot tell from here
+    return os.path.exists(f"/proc/{int(state.get('pid', 0))}")
+
+
+def _ranks(numbers: list[int]) -> str:
+    """"rank 2", "ranks 0 and 1", "ranks 0, 1 and 3"."""
+    words = [str(n) for n in sorted(numbers)]
+    if len(words) == 1:
+        return f"rank {words[0]}"
+    return f"ranks {', '.join(words[:-1])} and {words[-1]}"
+
+
+def _waiting_on(rows: dict[int, Rank], culprit: int) -> list[int]:
+    """The ranks that wait for `culprit`, directly or through others that wait."""
+    found: set[int] = set()
+    todo = [culprit]
+    while todo:
+        target = todo.pop()
+        for row in rows.values():
+            if target in row.peers and row.rank not in found and row.rank != culprit:
+                found.add(row.rank)
+                todo.append(row.rank)
+    return sorted(found)
+
+
+def _cycle(rows: dict[int, Rank]) -> list[int]:
+    """A cycle of ranks that each wait for the next (smallest first), or []."""
+    for start in sorted(rows):
+        path, seen = [start], {start}
+        node = start
+        while rows.get(node) is not None and rows[node].peers:
+            node = rows[node].peers[0] if len(rows[node].peers) == 1 else next(
+                (p for p in rows[node].peers if p in rows and rows[p].peers), rows[node].peers[0])
+            if node == start:
+                return path
+            if node in seen or node not in rows:
+                break
+            path.append(node)
+            seen.add(node)
+    return []
+
+
+def verdict(rows: dict[int, Rank], size: int) -> str:
+    """The culprit in words (see the module docstring)."""
+    waited_on = sorted({peer for row in rows.values() for peer in row.peers})
+    for peer in waited_on:
+        if peer not in rows:
+            return f"rank {peer} has published nothing (it is gone, or never joined); " \
+                   f"{_ranks(_waiting_on(rows, peer))} wait for it"
+    for row in sorted(rows.values(), key=lambda r: (not r.stopped, r.rank)):
+        if row.peers and not row.stopped:
+            continue
+        waiters = _waiting_on(rows, row.rank)
+        if not waiters and not row.stopped:
+            continue
+        calls = sorted({rows[w].label for w in waiters if rows[w].label})
+        tail = f"; {_ranks(waiters)} wait for it" + (f" in {' and '.join(calls)}" if calls else "") if waiters else ""
+        if row.stopped:
+            return f"rank {row.rank} is stopped (SIGSTOP or a debugger) at {row.at}{tail}"
+        if row.idle:
+            return f"rank {row.rank} has made {row.idle}, and is at {row.at}{tail}"
+        return f"rank {row.rank} is in {row.call} at {row.at}{tail}"
+    cycle = _cycle(rows)
+    if cycle:
+        if len(cycle) == 2 and all(rows[r].recv for r in cycle):
+            tags = sorted({rows[r].detail for r in cycle if rows[r].detail})
+            return f"{_ranks(cycle)} each wait to receive from the other ({', '.join(tags)}): a deadlock"
+        chain = " -> ".join(str(r) for r in [*cycle, cycle[0]])
+        return f"{_ranks(cycle)} wait for each other ({chain}): a deadlock"
+    if any(row.call for row in rows.values()):
+        return "no rank waits for a rank that is not itself waiting: the ranks may still be moving"
+    return "no rank is in a tcoll call"
+
+
+def report(job: str, states: list[dict[str, Any]], now: float | None = None) -> str:
+    """The report of one job: a header, a row per rank, and the verdict."""
+    now = time.time() if now is None else now
+    rows = {row.rank: row for row in (Rank(state, now) for state in states)}
+    size = max([int(s.get("size", 0)) for s in states] + [0])
+    quiet = quiet_for(states, now)
+    table = [("rank", "call", "waits for", "at", "waited")]
+    for rank in range(size):
+        row = rows.get(rank)
+        if row is None:
+            table.append((str(rank), "(published nothing)", "", "", ""))
+            continue
+        waits = (f"{_ranks(row.peers)}" + (f" ({row.detail})" if row.detail else "")) if row.peers else "-"
+        what = (row.call or row.idle) + (" [stopped]" if row.stopped else "")
+        table.append((str(rank), what, waits, row.at, f"{row.waited:.0f} s"))
+    widths = [max(len(line[k]) for line in table) for k in range(5)]
+    lines = [f"tcoll: hang report for job {job} ({len(rows)} of {size} ranks published; "
+             f"no progress for {quiet:.0f} s)"]
+    for line in table:
+        lines.append("  " + "  ".join([line[0].rjust(widths[0]), *(line[k].ljust(widths[k]) for k in (1, 2, 3)),
+                                       line[4].rjust(widths[4])]).rstrip())
+    lines.append(f"verdict: {verdict(rows, size)}")
+    return "\n".join(lines)
+
+
+def quiet_for(states: list[dict[str, Any]], now: float | None = None) -> float:
+    """Seconds since any rank last changed state (0 without states)."""
+    now = time.time() if now is None else now
+    return max(0.0, now - max(float(s.get("since", now)) for s in states)) if states else 0.0
+
+
+def progress_key(states: list[dict[str, Any]]) -> Any:
+    """What must change for a later report to be new."""
+    return tuple((s["rank"], s.get("since"), _stopped(s)) for s in states)
+
+
+def stuck(states: list[dict[str, Any]]) -> bool:
+    """Whether some rank waits inside tcoll (a job whose ranks all compute is not hung)."""
+    return any(s.get("in_tcoll") or s.get("waiting") for s in states)
+
+
+def job_states(job: str, directory: str | None = None) -> list[dict[str, Any]]:
+    """The published states of job `job` whose processes still live."""
+    return [s for s in status.read_job(directory or status.job_dir(job)) if _alive(s)]
+
+
+def running_jobs() -> dict[str, str]:
+    """This user's jobs with a live rank: job id -> directory (stale directories are removed)."""
+    found = {}
+    for base in status.bases():
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            continue
+        for name in names:
+            directory = os.path.join(base, name)
+            states = status.read_job(directory)
+            if any(_alive(s) for s in states):
+                found.setdefault(name, directory)
+            elif states:
+                shutil.rmtree(directory, ignore_errors=True)  # every rank of it is gone (killed)
+            elif _older_than(directory, 60.0):
+                _rmdir(directory)  # empty for a minute: no rank is about to publish there
+    return found
+
+
+def ask_dump(job: str, directory: str | None = None) -> None:
+    """Ask the ranks of job `job` to write their flight-recorder dumps (those that run with TCOLL_DUMP)."""
+    path = os.path.join(directory or status.job_dir(job), "dump")
+    try:
+        with open(path, "a"):
+            pass
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _rmdir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # a rank published meanwhile
+
+
+def remove_job(job: str) -> None:
+    """Remove job `job`'s directory (the launcher's cleanup)."""
+    for base in status.bases():
+        shutil.rmtree(os.path.join(base, job), ignore_errors=True)
+
+
+class HangWatch:
+    """The launcher's eye on its job: a report after `after` s without progress, or when asked.
+
+    Args:
+        job: the run id.
+        after: seconds without progress before a report (TCOLL_HANG_REPORT; 0: only when asked).
+        say: prints a report.
+    """
+
+    def __init__(self, job: str, after: float, say: Any) -> None:
+        self.job, self.after, self.say = job, after, say
+        self.next_look = 0.0
+        self.reported: Any = None
+
+    def check(self) -> None:
+        """Look at the ranks about once a second; report a hang once per state of the job."""
+        if self.after <= 0 or time.monotonic() < self.next_look:
+            return
+        self.next_look = time.monotonic() + 1.0
+        states = job_states(self.job)
+        if not states or not stuck(states) or quiet_for(states) < self.after:
+            return
+        key = progress_key(states)
+        if key != self.reported:
+            self.reported = key
+            self.say(report(self.job, states))
+            ask_dump(self.job)
+
+    def report_now(self, only_if_stuck: bool = False) -> None:
+        """Report at once (SIGUSR1, Ctrl-C), if the ranks published anything."""
+        states = job_states(self.job)
+        if states and (stuck(states) or not only_if_stuck):
+            self.reported = progress_key(states)
+            self.say(report(self.job, states))
+            ask_dump(self.job)
+
+
+def hang_after(env: dict[str, str]) -> float:
+    """TCOLL_HANG_REPORT from `env` or this process's environment: seconds (default 60; 0: off)."""
+    text = env.get("TCOLL_HANG_REPORT", os.environ.get("TCOLL_HANG_REPORT", "60"))
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        return 60.0

@@ -1,0 +1,186 @@
+"""The hang report: induced hangs named by `tcoll run` and by `tcoll status`, and the verdict's rules."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tcoll.launch.hangs import Rank, report, verdict
+from tcoll.p2p import status
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TCOLL_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def _start(tmp_path: Path, body: str, ranks: int, run_id: str, **extra: str) -> subprocess.Popen[str]:
+    (tmp_path / "job.py").write_text(textwrap.dedent(body).lstrip())
+    return subprocess.Popen([sys.executable, "-m", "tcoll", "run", "-n", str(ranks), "--run-id", run_id, "job.py"],
+                            cwd=tmp_path, env=_env(**extra), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _until_verdict(proc: subprocess.Popen[str]) -> str:
+    """The launcher's stderr up to and including the first verdict line (pytest-timeout bounds it)."""
+    lines = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("verdict:"):
+            return "".join(lines)
+    pytest.fail("the launcher ended without a report:\n" + "".join(lines))
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+
+
+def _status(run_id: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "tcoll", "status", "--job", run_id], env=_env(),
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+ASLEEP = """
+    import os, time, numpy as np, tcoll
+    comm = tcoll.init()
+    x = np.ones(4)
+    for i in range(5):
+        if comm.rank == 2 and i == 3:
+            open("asleep", "w").close(); time.sleep(300)
+        comm.all_reduce(x)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_asleep_in_user_code_is_named_with_its_line(tmp_path: Path) -> None:
+    run_id = f"hangasleep{os.getpid()}"
+    proc = _start(tmp_path, ASLEEP, 4, run_id, TCOLL_HANG_REPORT="5", TCOLL_DUMP=str(tmp_path / "dump"))
+    try:
+        text = _until_verdict(proc)
+        stuck_for = time.time() - (tmp_path / "asleep").stat().st_mtime
+        assert stuck_for < 15, f"the report came {stuck_for:.0f} s after the hang began"
+        verdict_line = text.splitlines()[-1]
+        assert "rank 2 has made no call since all_reduce #3" in verdict_line
+        assert "job.py:6" in verdict_line and "time.sleep(300)" in verdict_line
+        assert "ranks 0, 1 and 3 wait for it in all_reduce #4" in verdict_line
+        rows = [line for line in text.splitlines() if line.strip().startswith(("0 ", "1 ", "3 "))]
+        assert len(rows) == 3 and all("all_reduce #4" in row and "job.py:7" in row for row in rows), text
+        seen = _status(run_id)
+        assert verdict_line.split(";")[0] in seen and "all_reduce #4" in seen, seen
+        dumps = [tmp_path / "dump" / f"tcoll_trace_{rank}" for rank in range(4)]  # the report asked for them
+        deadline = time.monotonic() + 30
+        while not all(path.exists() for path in dumps):
+            assert time.monotonic() < deadline, "the ranks did not write their flight-recorder dumps"
+            time.sleep(0.05)
+    finally:
+        _stop(proc)
+    assert not os.path.exists(status.job_dir(run_id)), "the launcher left the published states behind"
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    analysed = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                               str(tmp_path / "dump")], capture_output=True, text=True, timeout=60, check=False)
+    assert analysed.returncode == 0, analysed.stderr
+    assert "missing ranks: {2}" in analysed.stdout + analysed.stderr
+    assert "sequence number: 4" in analysed.stdout + analysed.stderr
+
+
+DEADLOCK = """
+    import numpy as np, tcoll
+    comm = tcoll.init()
+    x = np.zeros(2)
+    comm.recv(x, src=1 - comm.rank, tag=7)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_receive_deadlock_names_both_ranks_and_their_lines(tmp_path: Path) -> None:
+    run_id = f"hangdeadlock{os.getpid()}"
+    proc = _start(tmp_path, DEADLOCK, 2, run_id, TCOLL_HANG_REPORT="3")
+    try:
+        text = _until_verdict(proc)
+        assert "verdict: ranks 0 and 1 each wait to receive from the other (tag 7): a deadlock" in text, text
+        rows = [line for line in text.splitlines() if "recv from rank" in line]
+        assert len(rows) == 2 and all("job.py:4" in row for row in rows), text
+        seen = _status(run_id)
+        assert "ranks 0 and 1 each wait to receive from the other (tag 7): a deadlock" in seen, seen
+    finally:
+        _stop(proc)
+
+
+WAITS_FOR_GO = """
+    import os, time, numpy as np, tcoll
+    comm = tcoll.init()
+    x = np.ones(4)
+    while comm.rank == 1 and not os.path.exists("go"):
+        time.sleep(0.05)
+    comm.all_reduce(x)
+    print("sum", x[0])
+"""
+
+
+@pytest.mark.timeout(90)
+def test_sigusr1_reports_and_the_job_goes_on(tmp_path: Path) -> None:
+    run_id = f"hangusr1{os.getpid()}"
+    proc = _start(tmp_path, WAITS_FOR_GO, 2, run_id, TCOLL_HANG_REPORT="0")
+    try:
+        directory = status.job_dir(run_id)
+        deadline = time.monotonic() + 60
+        while not any(s.get("waiting") for s in status.read_job(directory)):  # rank 0 waits in its all_reduce
+            assert time.monotonic() < deadline, "rank 0 never published a wait"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        text = _until_verdict(proc)
+        assert "rank 1 has made no call yet, and is at job.py:5" in text, text
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+    assert proc.returncode == 0, err
+    assert "sum 2.0" in out
+
+
+# -- the verdict's rules, on published states ---------------------------------------------------
+
+
+def _state(rank: int, *, sequence: int = 3, call: int | None = None, peers: list[int] | None = None,
+           what: str = "all_reduce #4 (shm)", detail: str = "", where: str = "job.py:9", code: str = "") -> dict:
+    comm = {"size": 3, "rank": rank, "sequence": sequence, "last": "all_reduce",
+            "call": None if call is None else {"label": "all_reduce", "sequence": call, "algorithm": "ring",
+                                               "bytes": 16}}
+    waiting = None if peers is None else {"what": what, "peers": peers, "detail": detail, "since": 100.0}
+    return {"rank": rank, "size": 3, "comms": [comm], "waiting": waiting, "in_tcoll": call is not None or bool(peers),
+            "where": where, "code": code, "since": 100.0, "pid": 0, "host": "elsewhere"}
+
+
+def test_the_verdict_follows_a_chain_to_the_rank_that_waits_for_nobody() -> None:
+    states = [_state(0, sequence=4, call=4, peers=[1]), _state(1, sequence=4, call=4, peers=[2]),
+              _state(2, where="job.py:5", code="compute()")]
+    rows = {s["rank"]: Rank(s, 110.0) for s in states}
+    assert verdict(rows, 3) == ("rank 2 has made no call since all_reduce #3, and is at job.py:5 (compute()); "
+                                "ranks 0 and 1 wait for it in all_reduce #4")
+    text = report("j", states, 110.0)
+    assert "all_reduce #4 (ring, 16 B)" in text and "10 s" in text
+
+
+def test_a_cycle_of_collective_waits_is_a_deadlock_and_a_silent_rank_is_named() -> None:
+    states = [_state(0, sequence=4, call=4, peers=[1]), _state(1, sequence=4, call=4, peers=[2]),
+              _state(2, sequence=4, call=4, peers=[0])]
+    assert verdict({s["rank"]: Rank(s, 110.0) for s in states}, 3) == \
+        "ranks 0, 1 and 2 wait for each other (0 -> 1 -> 2 -> 0): a deadlock"
+    states = [_state(0, sequence=4, call=4, peers=[2])]
+    assert verdict({0: Rank(states[0], 110.0)}, 3).startswith("rank 2 has published nothing")
