@@ -67,3 +67,11 @@ def test_a_failing_op_fails_the_call_everywhere_and_the_next_call_works(transpor
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_root_whose_op_fails_fails_the_reduce_everywhere(transport: str) -> None:
     _check(tcoll.spawn(failing_op_then_more, 3, (32, 1), timeout=100, transport=transport), 3)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nbytes", [64 << 10, 4 << 20])
+def test_a_non_root_whose_op_fails_fails_the_shm_reduce_everywhere(nbytes: int) -> None:
+    """In the arena's three steps (64 KiB) and pipelined pieces (4 MiB) every rank reduces its own part, so
+    rank 1's op runs and fails; ranks that do not want the result (rank 2) must not return normally."""
+    _check(tcoll.spawn(failing_op_then_more, 3, (nbytes, 0), timeout=100, transport="shm"), 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -286,7 +287,7 @@ class Communicator:
         """Whether close() (of this communicator, or of the world it came from) has been called."""
         return self._closed or self._engine.closed
 
-    def close(self) -> None:
+    def close(self, *, linger: bool = True) -> None:
         """Release channels, shared memory and sockets; pending operations fail.
 
         Not collective: each rank closes its own side. Idempotent. Closing a
@@ -299,6 +300,10 @@ class Communicator:
         first waits until its peers have closed too (at most 10 s, or the
         timeout if shorter), so that what they sent on that call is in.
 
+        Args:
+            linger: False: neither wait for the peers nor raise what showed late (an abort, a cleanup after
+                another error, leaving a `with` block by an exception: that error is the one to see).
+
         Raises:
             MismatchError, PeerFailedError: the ranks disagreed on a call and this rank had not said so yet.
         """
@@ -307,7 +312,8 @@ class Communicator:
                 return
             self._closed = True
         # A sub-communicator's arena goes with it, not with the world.
-        found = self._dispatch.close(min(self.timeout, _LEAVE_TIMEOUT) if self._parent is None else 0.0)
+        wait = min(self.timeout, _LEAVE_TIMEOUT) if self._parent is None and linger else 0.0
+        found = self._dispatch.close(wait)
         if self._parent is None:
             self._engine.close()
             for transport in self._transports:
@@ -316,7 +322,7 @@ class Communicator:
                 self._leave_store()
                 self._store.close()
             _forget(self)
-        if found is not None:
+        if found is not None and linger:
             raise found
 
     def _leave_store(self) -> None:
@@ -339,7 +345,7 @@ class Communicator:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(linger=exc[0] is None)  # leaving by an exception: that one is what the user sees
 
     def __repr__(self) -> str:
         return f"<tcoll.Communicator rank {self.rank} of {self.size}{' (closed)' if self.closed else ''}>"
@@ -390,4 +396,5 @@ def _close_all() -> None:
     if found:  # the job must not end well: an exception here would not change the exit status
         print("\n".join(found), file=sys.stderr, flush=True)
         sys.stdout.flush()
+        logging.shutdown()  # (os._exit skips the exit handlers registered before tcoll's: flush the logs)
         os._exit(1)

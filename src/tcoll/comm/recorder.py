@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+from ..p2p.timeline import replace_file
+
 __all__ = ["ENV", "Recorder", "attach", "VERSION"]
 
 ENV = "TCOLL_DUMP"
@@ -91,11 +93,8 @@ class Recorder:
                                           "ranks": str(list(self.world))}},
                 "pg_status": {self.name: {"last_enqueued_collective": last, "last_started_collective": last,
                                           "last_completed_collective": done}}}
-        os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{_PREFIX}{self.rank}")
-        with open(f"{path}.part", "wb") as out:
-            pickle.dump(data, out)
-        os.replace(f"{path}.part", path)
+        replace_file(path, pickle.dumps(data), 0o600)  # a new file: a link planted at `path` is replaced, never followed
         return path
 
 

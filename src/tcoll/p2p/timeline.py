@@ -35,7 +35,7 @@ import time
 import warnings
 from typing import Any
 
-__all__ = ["Timeline", "from_env", "merge", "now_us", "part_path"]
+__all__ = ["Timeline", "from_env", "merge", "now_us", "part_path", "replace_file"]
 
 from .watch import BLOCK_BITS
 
@@ -131,7 +131,7 @@ class Timeline:
             events = list(self.events)
         path = part_path(self.path, self.rank)
         try:
-            _replace_with(path, json.dumps(events), 0o600)
+            replace_file(path, json.dumps(events), 0o600)
         except OSError as exc:
             if not self._warned:  # once: close() and the exit hook both try
                 self._warned = True
@@ -141,8 +141,9 @@ class Timeline:
         return True
 
 
-def _replace_with(path: str, text: str, mode: int) -> None:
-    """Make `path` a new file holding `text`, never writing into a file that is already there.
+def replace_file(path: str, text: str | bytes, mode: int) -> None:
+    """Make `path` a new file holding `text` (str or bytes), never writing into a file that is already there
+    (TCOLL_TRACE's parts and merged file; TCOLL_DUMP's dumps, tcoll.comm.recorder).
 
     Raises:
         OSError: the directory cannot be written, or `path` cannot be replaced.
@@ -152,7 +153,7 @@ def _replace_with(path: str, text: str, mode: int) -> None:
     # mkstemp creates with O_CREAT | O_EXCL, mode 0600: a planted link or file makes it pick another name.
     fd, temp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w") as out:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as out:
             if mode != 0o600:
                 os.fchmod(out.fileno(), mode)
             out.write(text)
@@ -214,7 +215,7 @@ def merge(path: str, remove_parts: bool = True) -> int:
     if not read:
         return 0
     events: list[dict[str, Any]] = [event for _, part_events in read for event in part_events]
-    _replace_with(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+    replace_file(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
                                     "otherData": {"producer": "tcoll", "ranks": len(read)}}), 0o644)
     if remove_parts:
         for part, _ in read:

@@ -653,8 +653,8 @@ static PyObject *module_reduce_into(PyObject *self, PyObject *const *args, Py_ss
     int dtype = (int)PyLong_AsLong(args[0]), op = (int)PyLong_AsLong(args[1]);
     if (PyErr_Occurred()) return NULL;
     Py_ssize_t nin = PyTuple_GET_SIZE(args[2]), nout = PyTuple_GET_SIZE(args[3]);
-    if (dtype < 0 || dtype >= NDTYPES || op < 0 || op >= NOPS || nin < 1 || nin > MAX_KERNEL_RANKS ||
-        nout < 1 || nout > 2) {
+    if (nin > MAX_KERNEL_RANKS) Py_RETURN_FALSE;  /* more ranks than the kernel takes: Python reduces */
+    if (dtype < 0 || dtype >= NDTYPES || op < 0 || op >= NOPS || nin < 1 || nout < 1 || nout > 2) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: reduce_into's codes or counts are out of range");
         return NULL;
     }

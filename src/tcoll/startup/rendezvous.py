@@ -61,7 +61,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_.]{1,64}")
 
 def safe_run_id(run_id: str) -> str:
     """The run id as it may appear in file names (/dev/shm/tcoll-<run id>-...): the same on every rank."""
-    if _RUN_ID.fullmatch(run_id):
+    if _RUN_ID.fullmatch(run_id) and run_id.strip("."):  # ("." and ".." would name a directory above)
         return run_id
     return hashlib.sha1(run_id.encode()).hexdigest()[:12]
 

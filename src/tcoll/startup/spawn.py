@@ -233,12 +233,15 @@ def _pickle_function(fn: Callable[..., Any]) -> bytes:
 def _close(comm: Any, failed: bool) -> BaseException | None:
     """Close a rank's communicator; what close raised (a disagreement it learnt of only then) if the rank's
     own run had not already failed, else None: that failure is the one to report."""
+    if failed:
+        comm.close(linger=False)  # (nor wait for the peers: this rank's own failure is the news)
+        return None
     from ..errors import TcollError
 
     try:
         comm.close()
     except TcollError as exc:
-        return None if failed else exc
+        return exc
     return None
 
 

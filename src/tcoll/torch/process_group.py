@@ -153,7 +153,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         worlds.forget_world(comm)
         if comm.closed:
             return
-        comm.close()  # a sub-communicator's close only marks it closed: the world keeps its channels
+        comm.close(linger=not abort)  # a sub-communicator's close only marks it closed: the world keeps its channels
 
     def abort(self) -> None:
         """Stop now: pending operations fail (tcoll's close)."""
