@@ -94,7 +94,7 @@ class Recorder:
                 "pg_status": {self.name: {"last_enqueued_collective": last, "last_started_collective": last,
                                           "last_completed_collective": done}}}
         path = os.path.join(directory, f"{_PREFIX}{self.rank}")
-        replace_file(path, pickle.dumps(data), 0o600)  # a new file: a link planted at `path` is replaced, never followed
+        replace_file(path, pickle.dumps(data), 0o600)  # a new file: a planted link is replaced, not followed
         return path
 
 
