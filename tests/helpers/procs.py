@@ -280,3 +280,17 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def hung_up(sock: socket.socket, within: float) -> bool:
+    """Whether the other end closed `sock` within `within` seconds (reading and dropping what it sent first;
+    this side never closes it first)."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True

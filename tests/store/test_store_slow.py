@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from helpers.procs import hung_up
 
 from tcoll.errors import RendezvousError
 from tcoll.store import StoreLimits, TCPStore, TCPStoreServer
@@ -39,19 +40,6 @@ def _handshake(sock: socket.socket, key: bytes) -> tuple[int, list[bytes]]:
     return decode(recv_frame(sock, 256) or b"")
 
 
-def _hung_up(sock: socket.socket, within: float) -> bool:
-    """Whether the server closed `sock` within `within` seconds (we never close it first)."""
-    sock.settimeout(within)
-    try:
-        while sock.recv(65536):
-            pass
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        pass
-    return True
-
-
 def test_refused_connections_are_closed_at_once_and_hold_nothing() -> None:
     with TCPStoreServer("127.0.0.1", 0, auth_key=KEY, limits=StoreLimits(max_handshakes=16)) as server:
         refused = []
@@ -61,7 +49,7 @@ def test_refused_connections_are_closed_at_once_and_hold_nothing() -> None:
             assert status == ERROR and b"wrong authentication key" in fields[0]
             refused.append(sock)  # kept open on our side: the server must not wait for us to hang up
         for sock in refused:
-            assert _hung_up(sock, _LINGER_WAS / 2), "a refused connection lingered"
+            assert hung_up(sock, _LINGER_WAS / 2), "a refused connection lingered"
         _wait_until(lambda: server.stats()["open"] == 0, _LINGER_WAS / 2)
         with pytest.raises(RendezvousError, match="wrong authentication key"):
             TCPStore("127.0.0.1", server.port, timeout=5)  # the ordinary client still reads why
@@ -98,7 +86,7 @@ def test_a_request_has_one_deadline_for_all_its_bytes() -> None:
         started = time.monotonic()
         thread = _drip(slow, U32.pack(len(frame)) + frame, 0.1, stop)  # a byte every 0.1 s: the whole takes 4 s
         try:
-            assert _hung_up(slow, 10)
+            assert hung_up(slow, 10)
             assert time.monotonic() - started < 3, "each byte restarted the clock"
         finally:
             stop.set()
@@ -137,7 +125,7 @@ def test_a_slow_client_holding_the_budget_stalls_no_one() -> None:
             assert done["small"] < 0.9, f"a small set waited {done['small']:.1f} s for a slow client"
             # A large one may wait for the budget, but only until the slow request's deadline cuts it off.
             assert done["large"] < 5, f"a large set waited {done['large']:.1f} s: the drip kept its budget"
-            assert _hung_up(slow, 5)
+            assert hung_up(slow, 5)
         finally:
             stop.set()
             thread.join(10)

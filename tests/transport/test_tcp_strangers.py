@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import pytest
+from helpers.procs import hung_up
 
 from tcoll.transport import tcp_connect
 from tcoll.transport.tcp_connect import connect_all, open_listener
@@ -14,19 +15,6 @@ from tcoll.transport.tcp_connect import connect_all, open_listener
 pytestmark = pytest.mark.timeout(60)
 
 KEY = "the job's key"
-
-
-def _closed_by_rank(sock: socket.socket, within: float) -> bool:
-    """Whether the rank hung up on `sock` within `within` seconds (after whatever it sent first)."""
-    sock.settimeout(within)
-    try:
-        while sock.recv(4096):
-            pass
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        pass
-    return True
 
 
 def test_silent_strangers_are_capped_and_the_peer_still_gets_in() -> None:
@@ -47,7 +35,7 @@ def test_silent_strangers_are_capped_and_the_peer_still_gets_in() -> None:
                  for _ in range(tcp_connect._MIN_PENDING + extra)]
     try:
         for sock in strangers[:extra]:  # the oldest made room for the newest
-            assert _closed_by_rank(sock, 10), "a silent stranger kept its place past the cap"
+            assert hung_up(sock, 10), "a silent stranger kept its place past the cap"
         links = connect_all(1, [0], cards, listeners[1], "run", KEY, 30)  # and the real peer still gets in
         thread.join(30)
         assert isinstance(got.get(0), dict) and set(got[0]) == {1}, got
