@@ -40,11 +40,11 @@ def worker(out: str, sizes: list[int], iters: int) -> None:
     plan["jobs"] = [{"case": "all_reduce", "label": "tcoll", "algorithm": name, "buffers": "plain"}
                     for name in ALGORITHMS]
     result = tcoll_worker(comm, plan)
-    chosen = {n: comm._dispatch.choose("all_reduce", "auto", n, OPS["sum"], blocking=True, itemsize=4).name
+    chosen = {n: comm.core.dispatch.choose("all_reduce", "auto", n, OPS["sum"], blocking=True, itemsize=4).name
               for n in sizes}
     if comm.rank == 0:
         result["chosen"] = chosen
-        result["latency"] = comm._engine.link_latency
+        result["latency"] = comm.core.engine.link_latency
         result["hosts"] = comm.hosts.host_of
         Path(out).write_text(json.dumps(result))
     comm.barrier()

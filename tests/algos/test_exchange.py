@@ -44,7 +44,7 @@ def run_all_to_all(comm: tcoll.Communicator, name: str, counts: Any, dtype: Any)
     out = np.full(sum(recv_counts), 99, dtype=dtype)
     at, sat = displacements(recv_counts), displacements(send_counts)
     out[at[r]:at[r + 1]] = send[sat[r]:sat[r + 1]]
-    comm._dispatch.call_algorithm("all_to_all", name, send, out, send_counts, recv_counts)
+    comm.core.dispatch.call_algorithm("all_to_all", name, send, out, send_counts, recv_counts)
     expected = np.concatenate([value(i, r, np.arange(recv_counts[i]), dtype) for i in range(p)])
     np.testing.assert_array_equal(out, expected, err_msg=f"{name} rank {r} of {p}")
     np.testing.assert_array_equal(send, before, err_msg=f"{name} changed its send buffer")

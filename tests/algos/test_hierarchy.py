@@ -19,7 +19,7 @@ PAIRS = [("sum", np.dtype(np.float32)), ("max", np.dtype(np.int64)), ("bor", np.
 
 def run_on_hosts(comm: tcoll.Communicator, layout: list[int]) -> list[str]:
     """Pretend rank r lives on host layout[r], then run every hierarchical algorithm."""
-    comm._engine.hosts = HostMap([f"host{h}/boot/1:1" for h in layout])
+    comm.core.engine.hosts = HostMap([f"host{h}/boot/1:1" for h in layout])
     failures: list[str] = []
     for collective, algorithm in HIERARCHICAL:
         if collective in ("all_reduce", "reduce_scatter"):

@@ -61,7 +61,7 @@ def _check(errors: list[str], got: Any, want: np.ndarray, what: str) -> None:
 def run_broadcast(comm: tcoll.Communicator, name: str, count: int, dtype: np.dtype, root: int,
                   errors: list[str]) -> None:
     buf = data(root, count, dtype, 1) if comm.rank == root else np.zeros(count, dtype=dtype)
-    comm._dispatch.call_algorithm("broadcast", name, buf, root)
+    comm.core.dispatch.call_algorithm("broadcast", name, buf, root)
     _check(errors, buf, data(root, count, dtype, 1), f"broadcast {name} count={count} {dtype} root={root}")
 
 
@@ -71,7 +71,7 @@ def run_all_gather(comm: tcoll.Communicator, name: str, counts: list[int], dtype
     start = sum(counts[:comm.rank])
     out = np.zeros(sum(counts), dtype=dtype)
     out[start:start + counts[comm.rank]] = data(comm.rank, counts[comm.rank], dtype, 2)
-    comm._dispatch.call_algorithm("all_gather", name, out, counts)
+    comm.core.dispatch.call_algorithm("all_gather", name, out, counts)
     _check(errors, out, want, f"all_gather {name} counts={counts} {dtype}")
 
 
@@ -83,7 +83,7 @@ def run_gather(comm: tcoll.Communicator, name: str, counts: list[int], dtype: np
         start = sum(counts[:root])
         out = np.zeros(sum(counts), dtype=dtype)
         out[start:start + counts[root]] = send
-    comm._dispatch.call_algorithm("gather", name, send, out, counts, root)
+    comm.core.dispatch.call_algorithm("gather", name, send, out, counts, root)
     what = f"gather {name} counts={counts} {dtype} root={root}"
     _check(errors, send, data(comm.rank, counts[comm.rank], dtype, 3), f"{what} (send changed)")
     if comm.rank == root:
@@ -95,7 +95,7 @@ def run_scatter(comm: tcoll.Communicator, name: str, counts: list[int], dtype: n
     mine = data(comm.rank, counts[comm.rank], dtype, 4)
     send = _read_only(blocks(counts, dtype, 4)) if comm.rank == root else None
     out = mine.copy() if comm.rank == root else np.zeros(counts[comm.rank], dtype=dtype)
-    comm._dispatch.call_algorithm("scatter", name, send, out, counts, root)
+    comm.core.dispatch.call_algorithm("scatter", name, send, out, counts, root)
     what = f"scatter {name} counts={counts} {dtype} root={root}"
     _check(errors, out, mine, what)
     if send is not None:

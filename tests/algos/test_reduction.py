@@ -138,7 +138,7 @@ def _reduce_scatter_checks(comm: tcoll.Communicator, failures: list[str], name: 
         send = data(kind, r, sum(counts))
         before = send.copy()
         out = np.full(counts[r], -1, dtype=send.dtype)
-        comm._dispatch.call_algorithm("reduce_scatter", name, send, out, counts, OPS[kind])
+        comm.core.dispatch.call_algorithm("reduce_scatter", name, send, out, counts, OPS[kind])
         start = sum(counts[:r])
         _check(failures, f"reduce_scatter {name} {kind} counts={counts}", out,
                reference(kind, p, sum(counts))[start:start + counts[r]])

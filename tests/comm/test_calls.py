@@ -305,8 +305,8 @@ def run_late_messages(comm: tcoll.Communicator, gave_up: threading.Barrier, fini
     out[:] = 0  # the call failed: the buffer is the user's again
     gave_up.wait()
     while not finished.is_set():
-        comm._engine.poll()  # take in whatever rank 0 sends meanwhile
-    engine = comm._engine
+        comm.core.engine.poll()  # take in whatever rank 0 sends meanwhile
+    engine = comm.core.engine
     counts = (out.any(), sum(map(len, engine.matcher.posted.values())),
               sum(map(len, engine.matcher.unexpected.values())))
     counted.wait()

@@ -29,7 +29,7 @@ def _custom_call(comm: tcoll.Communicator) -> Any:
             raise RuntimeError("this custom call refuses on rank 1")
         yield from lookup("reduce", "binomial").run(team, np.ones(4), as_op("sum"), 0)
 
-    return comm._dispatch.run_custom("refusing_custom", body)
+    return comm.core.dispatch.run_custom("refusing_custom", body)
 
 
 def _program_call(comm: tcoll.Communicator) -> Any:
@@ -43,7 +43,7 @@ def _program_call(comm: tcoll.Communicator) -> Any:
         return x
 
     head = Call("reduce", (), 0, label="refusing_program", algorithm="binomial")
-    return comm._dispatch.run_program(steps(), head)
+    return comm.core.dispatch.run_program(steps(), head)
 
 
 CALLS: dict[str, Callable[[tcoll.Communicator], Any]] = {

@@ -47,10 +47,10 @@ def check_topology(comm: tcoll.Communicator) -> list[str]:
     if total[0] != sum(r for r in range(comm.size) if want[r] == want[comm.rank]):
         failures.append(f"host-local all_reduce gave {total}")
     if nhosts > 1 and per_host > 1 and between == "tcp":  # the cost model sees both links, picks a hierarchy
-        chosen = comm._dispatch.choose("all_reduce", "auto", 1 << 20, tcoll.ops.OPS["sum"], blocking=True, itemsize=4)
+        chosen = comm.core.dispatch.choose("all_reduce", "auto", 1 << 20, tcoll.ops.OPS["sum"], blocking=True, itemsize=4)
         if not chosen.hierarchical:
             failures.append(f"all_reduce of 1 MiB across hosts chose {chosen.name}")
-    if nhosts > 1 and forced == "auto" and between == "tcp" and not comm._engine.link_latency > 0:
+    if nhosts > 1 and forced == "auto" and between == "tcp" and not comm.core.engine.link_latency > 0:
         failures.append("no latency between hosts was measured at connect")
     leaders = comm.leaders()
     if (leaders is not None) != (comm.rank % per_host == 0):

@@ -23,7 +23,7 @@ def _callback_posts_a_send(comm: tcoll.Communicator) -> float:
         first.add_done_callback(lambda _: second.append(comm.isend(np.full(4096, 2.0), 1, tag=2)))
         first.wait()
         while not second:
-            comm._engine.poll()
+            comm.core.engine.poll()
         second[0].wait()
         return 0.0
     a, b = np.zeros(4096), np.zeros(4096)
@@ -52,8 +52,8 @@ def _finished_sender(comm: tcoll.Communicator) -> float:
     comm.recv(got, 1, tag=3)
     # tcp learns of the close from the stream; shm only when it waits on rank 2
     deadline = time.monotonic() + 2
-    while not comm._engine.is_lost(2) and time.monotonic() < deadline:
-        comm._engine.poll()
+    while not comm.core.engine.is_lost(2) and time.monotonic() < deadline:
+        comm.core.engine.poll()
     late = np.zeros(1)
     comm.recv(late, 2, tag=3, timeout=10)
     return float(late[0])
@@ -70,7 +70,7 @@ def _adopted_then_lost(comm: tcoll.Communicator) -> str:
     if comm.rank == 1:
         comm.isend(np.ones(8 << 20, dtype=np.uint8), 0, tag=5)
         comm.send(np.zeros(1), 0, tag=6)
-        comm._engine.poll()
+        comm.core.engine.poll()
         comm.close()
         return ""
     small = np.zeros(1)
@@ -118,7 +118,7 @@ def _close_while_blocked(comm: tcoll.Communicator) -> str:
     thread = threading.Thread(target=blocked)
     thread.start()
     deadline = time.monotonic() + 10
-    while not (comm._engine.expects_from(1) or errors) and time.monotonic() < deadline:
+    while not (comm.core.engine.expects_from(1) or errors) and time.monotonic() < deadline:
         time.sleep(0.001)  # polling with a deadline for the receive to be posted (or to fail at once)
     comm.close()
     thread.join(10)

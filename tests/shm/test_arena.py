@@ -22,7 +22,7 @@ from tcoll.shm import address as address_module
 
 def _arena(comm: tcoll.Communicator) -> arena_module.Arena:
     comm.barrier(algorithm="shm")  # the first direct call opens the arena
-    arena = comm._dispatch.arena
+    arena = comm.core.dispatch.arena
     assert arena is not None
     return arena
 

@@ -56,7 +56,7 @@ class CountingKernel:
 
 def _counting(comm: tcoll.Communicator) -> CountingKernel:
     comm.barrier(algorithm="shm")  # makes the arena
-    arena = comm._dispatch.arena
+    arena = comm.core.dispatch.arena
     assert arena.kernel is not None
     arena.kernel = CountingKernel(arena.kernel)
     return arena.kernel
@@ -107,7 +107,7 @@ def every_dtype_and_op(comm: tcoll.Communicator, use_kernel: bool,
     counting = _counting(comm) if use_kernel else None
     if not use_kernel:
         comm.barrier(algorithm="shm")
-        assert comm._dispatch.arena.kernel is None
+        assert comm.core.dispatch.arena.kernel is None
     bad = []
     for dtype in arena_module.KERNEL_DTYPES:
         ops = ["sum", "prod", "min", "max"] + (["avg"] if _floating(dtype) else ["band", "bor", "bxor"])
@@ -162,7 +162,7 @@ def mixed_kernels(comm: tcoll.Communicator, calls: int) -> list[str]:
     through one step, three steps and the pipelined pieces, with ranks late by turns."""
     comm.barrier(algorithm="shm")  # makes the arena
     if comm.rank == 1:
-        comm._dispatch.arena.kernel = None
+        comm.core.dispatch.arena.kernel = None
     rng = np.random.default_rng(11)  # the same sequence on every rank
     bad = []
     for call in range(calls):

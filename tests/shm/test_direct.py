@@ -146,8 +146,8 @@ def test_more_ranks_than_cores() -> None:
 
 def choices(comm: tcoll.Communicator) -> dict[str, Any]:
     x = np.ones(8)
-    out: dict[str, Any] = {"auto": comm._dispatch.choose("all_reduce", "auto", 8, blocking=True).name,
-                           "async": comm._dispatch.choose("all_reduce", "auto", 8, blocking=False).name}
+    out: dict[str, Any] = {"auto": comm.core.dispatch.choose("all_reduce", "auto", 8, blocking=True).name,
+                           "async": comm.core.dispatch.choose("all_reduce", "auto", 8, blocking=False).name}
     try:
         comm.all_reduce(x, algorithm="shm", async_op=True)
         out["async_shm"] = "ran"
@@ -346,12 +346,12 @@ def arenas_mapped() -> int:
 
 def sub_communicators(comm: tcoll.Communicator) -> tuple[int, int, int, int]:
     comm.barrier(algorithm="shm")
-    before, closers = arenas_mapped(), len(comm._engine.closers)
+    before, closers = arenas_mapped(), len(comm.core.engine.closers)
     for _ in range(10):
         sub = comm.dup()
         sub.all_reduce(np.ones(4), algorithm="shm")
         sub.close()
-    return before, arenas_mapped(), closers, len(comm._engine.closers)
+    return before, arenas_mapped(), closers, len(comm.core.engine.closers)
 
 
 @pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ def block(src: int, dst: int, salt: int, width: int) -> np.ndarray:
 def v_battery(comm: tcoll.Communicator, width: int) -> bool:
     r, p = comm.rank, comm.size
     comm.barrier()  # opens the arena (its opening talks point-to-point)
-    engine, sends = comm._engine, []
+    engine, sends = comm.core.engine, []
     engine.isend = lambda *args, real=engine.isend, **kw: sends.append(1) or real(*args, **kw)  # type: ignore
     for algorithm in ("shm", "auto"):
         for salt in range(3):

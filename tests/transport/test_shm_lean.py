@@ -288,7 +288,7 @@ def test_streams_from_several_peers_fill_and_wrap_their_rings(size: int) -> None
 def _count_engine_posts(comm: tcoll.Communicator) -> list[int]:
     """From now on, count in the list's one item the sends and receives the engine's isend/irecv post."""
     comm.barrier()  # (its first call sets up the arena, through the engine)
-    engine, counted = comm._engine, [0]
+    engine, counted = comm.core.engine, [0]
     isend, irecv = engine.isend, engine.irecv
 
     def counting(post):
@@ -343,7 +343,7 @@ def _values(buf) -> list[float]:
 def burst_calls(comm: tcoll.Communicator, kind: str, count: int) -> tuple[int, bool]:
     """Rank 0 sends `count` buffers of `kind`, rank 1 receives them once all are in its ring, then the other
     way: how many sends and receives went through the engine's isend/irecv, and whether all arrived right."""
-    engine, counted = comm._engine, _count_engine_posts(comm)
+    engine, counted = comm.core.engine, _count_engine_posts(comm)
     peer, buf, right = 1 - comm.rank, _buffer(kind, -1), True
     inbound = engine.channels[peer]._in
     for sender in (0, 1):
@@ -396,7 +396,7 @@ def interrupted_calls(comm: tcoll.Communicator, count: int) -> bool:
     whole (the positions live only in the rings), and the messages after it all arrive, in order."""
     peer = 1 - comm.rank
     if comm.rank == 0:
-        channel = comm._engine.lean[peer]
+        channel = comm.core.engine.lean[peer]
         channel._rings = RaisingRings(channel._rings)
         for i in range(count):
             with pytest.raises(Interrupted):

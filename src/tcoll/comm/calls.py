@@ -116,7 +116,7 @@ def numbered(label: str) -> Callable[[_Method], _Method]:
     def wrap(fn: _Method) -> _Method:
         @functools.wraps(fn)
         def method(comm: Any, *args: Any, **kwargs: Any) -> Any:
-            dispatcher = comm._dispatch
+            dispatcher = comm.core.dispatch
             before = dispatcher.sequence
             try:
                 return fn(comm, *args, **kwargs)

@@ -19,6 +19,7 @@ from ..shm.heap import heap_of
 from ..transport.base import Transport
 from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, uneven
 from .checks import MAX_TAG, check_peer, check_tag
+from .core import CommCore
 from .dispatch import Dispatcher
 
 __all__ = ["Communicator", "MAX_TAG"]
@@ -40,6 +41,8 @@ class Communicator:
         rank: this process's rank, 0 <= rank < size.
         size: the number of ranks.
         run_id: the job's name, shared by its ranks.
+        core: what tcoll's own modules use of it (tcoll.comm.core.CommCore: engine, dispatcher,
+            world ranks, contexts); not for users.
     """
 
     # The collectives, written as functions of the communicator in their own modules.
@@ -106,41 +109,34 @@ class Communicator:
 
     def __init__(self, engine: Engine, transports: list[Transport], run_id: str, *,
                  world_ranks: list[int] | None = None, context: int = 0, parent: Communicator | None = None) -> None:
-        self._engine = engine
-        self._transports = transports
-        self._store: Any = None
+        world = list(range(engine.size)) if world_ranks is None else world_ranks
         self.run_id = run_id
-        self._world = list(range(engine.size)) if world_ranks is None else world_ranks
-        self.rank = self._world.index(engine.rank)
-        self.size = len(self._world)
+        self.rank = world.index(engine.rank)
+        self.size = len(world)
+        self._store: Any = None
         self._parent = parent
         # Every communicator has its own context: its point-to-point messages
         # travel in engine context 2c and its collectives in 2c + 1, so no
         # message of one communicator can match a receive of another.
-        self._p2p_ctx = 2 * context
-        self._dispatch = Dispatcher(engine, self._world, 2 * context + 1, run_id, engine.settings.timeout)
-        self._closed = False
+        dispatch = Dispatcher(engine, world, 2 * context + 1, run_id, engine.settings.timeout)
+        self.core = CommCore(engine, dispatch, world, 2 * context, transports)
         self._close_lock = threading.Lock()
 
     @property
     def timeout(self) -> float:
         """Seconds a blocking call of this communicator may take (settable; an async Work's wait takes its own)."""
-        return self._dispatch.timeout
+        return self.core.dispatch.timeout
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        self._dispatch.timeout = float(seconds)
+        self.core.dispatch.timeout = float(seconds)
 
     @property
     def world_ranks(self) -> list[int]:
         """The world rank of each rank of this communicator."""
-        return list(self._world)
+        return list(self.core.world)
 
     # -- point-to-point ----------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TcollError("the communicator is closed")
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
         """Start sending `buf` to rank `dst`; returns a Work to wait on.
@@ -161,11 +157,12 @@ class Communicator:
             TypeError: `buf` is not a buffer.
             PeerLostError: `dst` is known to be gone.
         """
-        self._check_open()
+        core = self.core
+        core.check_open()
         check_peer(dst, self.size, "dst")
         check_tag(tag)
         data = as_bytes(buf, writable=False, what="send buffer")
-        return self._engine.isend(data, self._world[dst], self._p2p_ctx, tag, buf)
+        return core.engine.isend(data, core.world[dst], core.p2p_ctx, tag, buf)
 
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
         """Start receiving a message from rank `src` into `buf`; returns a Work.
@@ -187,11 +184,12 @@ class Communicator:
             TypeError: `buf` is not a buffer.
             PeerLostError: `src` is known to be gone.
         """
-        self._check_open()
+        core = self.core
+        core.check_open()
         peer = pairs.source_of(self, src, tag)
         data = as_bytes(buf, writable=True, what="receive buffer")
-        work = self._engine.irecv(data, peer, self._p2p_ctx, tag, buf)
-        work.ranks = self._world
+        work = core.engine.irecv(data, peer, core.p2p_ctx, tag, buf)
+        work.ranks = core.world
         return work
 
     def send(self, buf: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
@@ -200,9 +198,10 @@ class Communicator:
         Between ranks of one host a small message is written straight into the peer's ring when nothing
         is queued before it (the lean path, with no Work); anything else goes through isend.
         """
+        core = self.core
         if (type(dst) is int and type(tag) is int and 0 <= dst < self.size and 0 <= tag <= MAX_TAG
-                and not self._closed):
-            engine, peer, ctx = self._engine, self._world[dst], self._p2p_ctx
+                and not core.closed):
+            engine, peer, ctx = core.engine, core.world[dst], core.p2p_ctx
             # a buffer that exports its memory goes as it is; a tensor or bfloat16 array as a view of its memory
             if engine.send_now(buf, peer, ctx, tag) or (engine.lean[peer] is not None
                                                         and (view := exported(buf)) is not buf
@@ -218,9 +217,10 @@ class Communicator:
         ranks of one host, when nothing else could claim the message, it is
         taken straight from the ring (the lean path, with no Work).
         """
+        core = self.core
         if (type(src) is int and type(tag) is int and 0 <= src < self.size and 0 <= tag <= MAX_TAG
-                and not self._closed):
-            engine, peer, ctx = self._engine, self._world[src], self._p2p_ctx
+                and not core.closed):
+            engine, peer, ctx = core.engine, core.world[src], core.p2p_ctx
             # the kernel refuses a tensor before it polls; it then takes a view of the tensor's memory
             if engine.recv_now(buf, peer, ctx, tag) or (engine.lean[peer] is not None
                                                         and (view := exported(buf)) is not buf
@@ -261,11 +261,11 @@ class Communicator:
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(n) for n in shape)
         if any(n < 0 for n in shape):
             raise ValueError(f"negative dimensions are not allowed: {shape}")
-        self._check_open()
-        if not self._dispatch.direct_capable():
+        self.core.check_open()
+        if not self.core.dispatch.direct_capable():
             return np.zeros(shape, dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return heap_of(self._engine, self.run_id).allocate(nbytes).view(dtype).reshape(shape)
+        return heap_of(self.core.engine, self.run_id).allocate(nbytes).view(dtype).reshape(shape)
 
     def zeros(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
         """A new zero-filled NumPy array in shared memory (see `empty`)."""
@@ -276,7 +276,7 @@ class Communicator:
     def transport(self, peer: int) -> str:
         """The name of the transport that carries messages to `peer` ("shm", "tcp", ...)."""
         check_peer(peer, self.size, "peer")
-        return self._engine.transport_of(self._world[peer])
+        return self.core.engine.transport_of(self.core.world[peer])
 
     def own_store(self, store: Any) -> None:
         """Close `store` with this communicator (init() opened it for this communicator)."""
@@ -285,7 +285,7 @@ class Communicator:
     @property
     def closed(self) -> bool:
         """Whether close() (of this communicator, or of the world it came from) has been called."""
-        return self._closed or self._engine.closed
+        return self.core.closed or self.core.engine.closed
 
     def close(self, *, linger: bool = True) -> None:
         """Release channels, shared memory and sockets; pending operations fail.
@@ -307,16 +307,17 @@ class Communicator:
         Raises:
             MismatchError, PeerFailedError: the ranks disagreed on a call and this rank had not said so yet.
         """
+        core = self.core
         with self._close_lock:
-            if self._closed:
+            if core.closed:
                 return
-            self._closed = True
+            core.closed = True
         # A sub-communicator's arena goes with it, not with the world.
         wait = min(self.timeout, _LEAVE_TIMEOUT) if self._parent is None and linger else 0.0
-        found = self._dispatch.close(wait)
+        found = core.dispatch.close(wait)
         if self._parent is None:
-            self._engine.close()
-            for transport in self._transports:
+            core.engine.close()
+            for transport in core.transports:
                 transport.close()
             if self._store is not None:
                 self._leave_store()
@@ -336,7 +337,7 @@ class Communicator:
             if getattr(self._store, "server", None) is None:
                 self._store.set(f"leave/{self.rank}", b"1")
                 return
-            alive = [r for r in range(self.size) if r != self.rank and not self._engine.is_lost(r)]
+            alive = [r for r in range(self.size) if r != self.rank and not self.core.engine.is_lost(r)]
             self._store.wait([f"leave/{r}" for r in alive], min(self.timeout, _LEAVE_TIMEOUT))
         except (TcollError, OSError):
             pass  # a rank that died without being noticed never says goodbye; closing goes on

@@ -54,7 +54,7 @@ def split(comm: Communicator, color: int | None, key: int | None = None) -> Comm
     key = comm.rank if key is None else key
     if not isinstance(key, (int, np.integer)) or isinstance(key, bool):
         raise ValueError(f"key must be an integer, not {key!r}")
-    engine = comm._engine
+    engine = comm.core.engine
     mine = np.array([_NO_COLOR if color is None else color, key, engine.next_context], dtype=np.int64)
     table = comm.all_gather(mine, algorithm="auto")
     context = int(table[:, 2].max())
@@ -114,7 +114,7 @@ def create_group(comm: Communicator, ranks: Sequence[int], store: Store,
         tcoll.MismatchError: another member listed other ranks, or another order.
         tcoll.TimeoutError: a member did not arrive in time.
     """
-    engine = comm._engine
+    engine = comm.core.engine
     wait = comm.timeout if timeout is None else timeout
     try:
         ranks = _checked_ranks(ranks, comm.size, "create_group")
@@ -149,7 +149,7 @@ def hosts(comm: Communicator) -> HostMap:
         A HostMap in this communicator's rank numbering: `host_of[r]` is rank r's host
         (0 for rank 0's), `members(h)` the ranks on host h, `count` the number of hosts.
     """
-    return comm._engine.hosts.restrict(comm.world_ranks)
+    return comm.core.engine.hosts.restrict(comm.world_ranks)
 
 
 def split_type(comm: Communicator, kind: str | None = "host", key: int | None = None) -> Communicator | None:
@@ -197,5 +197,5 @@ def _checked_ranks(ranks: Sequence[Any], size: int, what: str) -> list[int]:
 
 def _sub(comm: Communicator, world_ranks: list[int], context: int) -> Communicator:
     """A sub-communicator of `comm` over `world_ranks`, sharing its channels, in `context`."""
-    return type(comm)(comm._engine, comm._transports, comm.run_id, world_ranks=world_ranks, context=context,
+    return type(comm)(comm.core.engine, comm.core.transports, comm.run_id, world_ranks=world_ranks, context=context,
                       parent=comm)

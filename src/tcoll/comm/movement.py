@@ -43,15 +43,16 @@ def broadcast(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "au
         TypeError: x is not a buffer.
     """
     key = (id(x), "broadcast", root, algorithm)
+    dispatcher = comm.core.dispatch
     if not async_op:
-        prepared = lean_entry(comm, key, x)
+        prepared = lean_entry(dispatcher, key, x)
         if prepared is not None:  # the same buffer and arguments as a recent call: checked then
-            return comm._dispatch.run_prepared(prepared)
+            return dispatcher.run_prepared(prepared)
     check_peer(root, comm.size, "root")
     flat = as_array(x, writable=comm.rank != root, what="broadcast buffer").reshape(-1)
     call = Call("broadcast", (flat, root), flat.nbytes, algorithm=algorithm, result=x, dtype=flat.dtype,
                 count=flat.size, root=root)
-    return comm._dispatch.run(call, True) if async_op else lean_run(comm, key, x, call)
+    return dispatcher.run(call, True) if async_op else lean_run(dispatcher, key, x, call)
 
 
 @numbered("all_gather")
@@ -79,7 +80,7 @@ def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     own = (out_flat[comm.rank * count:(comm.rank + 1) * count], apart(arr.reshape(-1), out_flat))
     call = Call("all_gather", (out_flat, [count] * comm.size), arr.nbytes, algorithm=algorithm, result=user_out,
                 staged=own, dtype=arr.dtype, count=count)
-    return comm._dispatch.run(call, async_op)
+    return comm.core.dispatch.run(call, async_op)
 
 
 @numbered("gather")
@@ -112,7 +113,7 @@ def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algori
         copies = ((out_flat[root * count:(root + 1) * count], send),)
     call = Call("gather", (send, out_flat, [count] * comm.size, root), arr.nbytes, algorithm=algorithm,
                 result=user_out, dtype=arr.dtype, count=count, root=root, copies=copies)
-    return comm._dispatch.run(call, async_op)
+    return comm.core.dispatch.run(call, async_op)
 
 
 @numbered("scatter")
@@ -142,12 +143,12 @@ def scatter(comm: Communicator, chunks: Any, root: int = 0, out: Any = None, *, 
     check_peer(root, comm.size, "root")
     send, like = stacked_chunks(chunks, comm.size) if comm.rank == root else (None, None)
     if algorithm != "auto":  # an unknown name fails here, before anything is sent
-        comm._dispatch.choose("scatter", algorithm, 0, blocking=not async_op)
+        comm.core.dispatch.choose("scatter", algorithm, 0, blocking=not async_op)
     described = np.zeros(describe.META_BYTES, dtype=np.uint8)
     if send is not None:
         described[:] = describe.encode(like)
     head = Call("scatter", (), 0, root=root, algorithm=algorithm)
-    return comm._dispatch.run_program(_scatter_steps(comm, send, described, root, out, algorithm), head, async_op)
+    return comm.core.dispatch.run_program(_scatter_steps(comm, send, described, root, out, algorithm), head, async_op)
 
 
 def _scatter_steps(comm: Communicator, send: np.ndarray | None, described: np.ndarray, root: int, out: Any,
@@ -204,4 +205,4 @@ def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     counts = [count] * comm.size
     call = Call("all_to_all", (send, out_flat, counts, counts), send.nbytes, algorithm=algorithm, result=user_out,
                 dtype=send.dtype, count=send.size, copies=((out_flat[mine], send[mine]),))
-    return comm._dispatch.run(call, async_op)
+    return comm.core.dispatch.run(call, async_op)

@@ -81,7 +81,7 @@ def broadcast_object(comm: Communicator, obj: Any, root: int = 0, *, async_op: b
             yield from _broadcast(comm, team.phase(2), part, root)
         return obj if at_root else load(parts or [])
 
-    return comm._dispatch.run_custom("broadcast_object", body, async_op, root)
+    return comm.core.dispatch.run_custom("broadcast_object", body, async_op, root)
 
 
 @numbered("all_gather_object")
@@ -112,7 +112,7 @@ def all_gather_object(comm: Communicator, obj: Any, *, async_op: bool = False) -
         received[team.rank] = parts
         return [(copy_load if r == team.rank else load)(received[r]) for r in range(team.size)]
 
-    return comm._dispatch.run_custom("all_gather_object", body, async_op)
+    return comm.core.dispatch.run_custom("all_gather_object", body, async_op)
 
 
 @numbered("gather_object")
@@ -147,7 +147,7 @@ def gather_object(comm: Communicator, obj: Any, root: int = 0, *, async_op: bool
         check_failed("gather_object", received)
         return [copy_load(parts or []) if r == root else load(received[r] or []) for r in range(team.size)]
 
-    return comm._dispatch.run_custom("gather_object", body, async_op, root)
+    return comm.core.dispatch.run_custom("gather_object", body, async_op, root)
 
 
 @numbered("scatter_object")
@@ -192,7 +192,7 @@ def scatter_object(comm: Communicator, objs: Sequence[Any] | None, root: int = 0
         check_failed("scatter_object", received)
         return load(received[root] or [])
 
-    return comm._dispatch.run_custom("scatter_object", body, async_op, root)
+    return comm.core.dispatch.run_custom("scatter_object", body, async_op, root)
 
 
 @numbered("all_to_all_object")
@@ -231,9 +231,9 @@ def all_to_all_object(comm: Communicator, objs: Sequence[Any], *, async_op: bool
         check_failed("all_to_all_object", received)
         return [copy_load(mine or []) if r == team.rank else load(received[r] or []) for r in range(team.size)]
 
-    return comm._dispatch.run_custom("all_to_all_object", body, async_op)
+    return comm.core.dispatch.run_custom("all_to_all_object", body, async_op)
 
 
 def _broadcast(comm: Communicator, team: Team, buf: np.ndarray, root: int) -> Algorithm:
     """Broadcast `buf` with the point-to-point algorithm the cost model picks for its size."""
-    yield from comm._dispatch.choose("broadcast", "auto", buf.nbytes).run(team, buf, root)
+    yield from comm.core.dispatch.choose("broadcast", "auto", buf.nbytes).run(team, buf, root)

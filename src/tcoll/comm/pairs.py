@@ -57,7 +57,7 @@ def source_of(comm: Communicator, src: Any, tag: Any) -> int:
     if type(src) is int and src == ANY_SOURCE:
         return ANY
     check_peer(src, comm.size, "src")
-    return comm._world[src]
+    return comm.core.world[src]
 
 
 def sendrecv(comm: Communicator, sendbuf: Any, dst: int, recvbuf: Any, src: int, sendtag: int = 0,
@@ -122,11 +122,11 @@ def sendrecv_replace(comm: Communicator, buf: Any, dst: int, src: int, sendtag: 
 def _sent_at_once(comm: Communicator, outgoing: np.ndarray, dst: int, tag: int, recvbuf: Any) -> bool:
     """Send `outgoing` (the send buffer's bytes) through the lean path (a small message to a peer on this
     host, nothing queued before it), once the receive buffer is known to be good: True if sent, complete."""
-    if comm._engine.lean[comm._world[dst]] is None:
+    if comm.core.engine.lean[comm.core.world[dst]] is None:
         return False
-    comm._check_open()
+    comm.core.check_open()
     as_bytes(recvbuf, writable=True, what="receive buffer")  # a bad one raises before anything is sent
-    return comm._engine.send_now(outgoing, comm._world[dst], comm._p2p_ctx, tag)
+    return comm.core.engine.send_now(outgoing, comm.core.world[dst], comm.core.p2p_ctx, tag)
 
 
 def _send(comm: Communicator, recv: Work, buf: Any, dst: int, tag: int) -> Work:
@@ -141,7 +141,7 @@ def _send(comm: Communicator, recv: Work, buf: Any, dst: int, tag: int) -> Work:
 def _pair(comm: Communicator, recv: Work, send: Work, result: Any, what: str, async_op: bool,
           timeout: float | None) -> Any:
     status = recv if isinstance(recv, RecvWork) else None
-    work = GroupWork(comm._engine, [recv, send], result, f"{what} ({send.description}; {recv.description})",
+    work = GroupWork(comm.core.engine, [recv, send], result, f"{what} ({send.description}; {recv.description})",
                      status)
     if async_op:
         return work
@@ -168,18 +168,18 @@ def probe(comm: Communicator, src: int = ANY_SOURCE, tag: int = ANY_TAG, timeout
     Raises:
         tcoll.TimeoutError: no such message came in time.
     """
-    comm._check_open()
+    comm.core.check_open()
     peer = source_of(comm, src, tag)
-    found = comm._engine.probe(peer, comm._p2p_ctx, tag, comm.timeout if timeout is None else timeout)
+    found = comm.core.engine.probe(peer, comm.core.p2p_ctx, tag, comm.timeout if timeout is None else timeout)
     assert found is not None
     return _status(comm, found)
 
 
 def iprobe(comm: Communicator, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Status | None:
     """What probe tells, if such a message has arrived; else None at once."""
-    comm._check_open()
+    comm.core.check_open()
     peer = source_of(comm, src, tag)
-    found = comm._engine.probe(peer, comm._p2p_ctx, tag)
+    found = comm.core.engine.probe(peer, comm.core.p2p_ctx, tag)
     return None if found is None else _status(comm, found)
 
 

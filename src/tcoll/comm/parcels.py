@@ -53,12 +53,12 @@ def isend_object(comm: Communicator, obj: Any, dst: int, tag: int = 0) -> Work:
         ValueError: dst out of range or bad tag.
         pickle.PicklingError, TypeError, ...: obj cannot be pickled (nothing is sent).
     """
-    comm._check_open()
+    comm.core.check_open()
     check_peer(dst, comm.size, "dst")
     check_tag(tag)
     parts = dump(obj)
     record, overflow = size_record(parts)
-    engine, peer, ctx = comm._engine, comm._world[dst], comm._p2p_ctx
+    engine, peer, ctx = comm.core.engine, comm.core.world[dst], comm.core.p2p_ctx
     works: list[Work] = [engine.isend(record.view(np.uint8), peer, ctx, tag)]
     if overflow.size:
         works.append(engine.isend(overflow.view(np.uint8), peer, ctx | _PARTS, tag))
@@ -91,14 +91,14 @@ class ObjectRecvWork(Work):
     __slots__ = ("_comm", "_record", "_head", "_left", "_parts", "nbytes")
 
     def __init__(self, comm: Communicator, src: int, tag: int) -> None:
-        super().__init__(comm._engine, f"irecv_object from rank {src} (tag {tag})")
+        super().__init__(comm.core.engine, f"irecv_object from rank {src} (tag {tag})")
         self._comm = comm
         self._record = np.zeros(SLOTS + 1, dtype=np.int64)
         self._parts: list[np.ndarray] = []
         self._left = 0
         self.nbytes = -1
-        head = comm._engine.irecv(self._record.view(np.uint8), source_of(comm, src, tag), comm._p2p_ctx, tag)
-        head.ranks = comm._world
+        head = comm.core.engine.irecv(self._record.view(np.uint8), source_of(comm, src, tag), comm.core.p2p_ctx, tag)
+        head.ranks = comm.core.world
         self._head = head
         head.add_done_callback(self._got_record_locked)
 
@@ -135,10 +135,10 @@ class ObjectRecvWork(Work):
 
     def _post(self, buf: np.ndarray) -> RecvWork:
         head = self._head
-        return self._comm._engine.irecv(buf.view(np.uint8), head.peer, head.ctx | _PARTS, head.tag)
+        return self._comm.core.engine.irecv(buf.view(np.uint8), head.peer, head.ctx | _PARTS, head.tag)
 
     def _got_record_locked(self, head: Work) -> None:
-        with self._comm._engine.lock:  # the record may have come at once, on the user's thread
+        with self._comm.core.engine.lock:  # the record may have come at once, on the user's thread
             self._got_record(head)
 
     def _got_record(self, head: Work) -> None:
@@ -148,7 +148,7 @@ class ObjectRecvWork(Work):
             self._fail(MismatchError(f"{self.description}: the message from rank {self.source} (tag {self.tag}) "
                                      "is not an object's; was it sent by send_object?"))
             return
-        line = _lines.setdefault(self._comm._engine, {}).setdefault(self._key(), deque())
+        line = _lines.setdefault(self._comm.core.engine, {}).setdefault(self._key(), deque())
         line.append(self)
         if len(line) == 1:
             self._take_parts()
@@ -171,7 +171,7 @@ class ObjectRecvWork(Work):
             posted = [(self._post(part), part) for part in self._parts]
         else:
             posted = []
-        lines = _lines[self._comm._engine]
+        lines = _lines[self._comm.core.engine]
         line = lines[self._key()]
         line.popleft()  # its receives are posted: the next object of this line may post its own
         if line:
@@ -205,7 +205,7 @@ def irecv_object(comm: Communicator, src: int, tag: int = 0) -> ObjectRecvWork:
     Raises:
         ValueError: src out of range or bad tag.
     """
-    comm._check_open()
+    comm.core.check_open()
     return ObjectRecvWork(comm, src, tag)
 
 
@@ -255,7 +255,7 @@ def sendrecv_object(comm: Communicator, obj: Any, dst: int, src: int, sendtag: i
     except BaseException:
         receive.cancel()
         raise
-    work = GroupWork(comm._engine, [receive, send], receive.result,
+    work = GroupWork(comm.core.engine, [receive, send], receive.result,
                      f"sendrecv_object (to rank {dst}, from rank {src})", receive)
     if async_op:
         return work

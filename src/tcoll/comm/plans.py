@@ -44,6 +44,7 @@ from .calls import Call, Prepared
 
 if TYPE_CHECKING:
     from .communicator import Communicator
+    from .dispatch import Dispatcher
 
 __all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "lean_entry", "lean_run"]
 
@@ -70,6 +71,7 @@ class Plan:
             raise TypeError("a plan runs blocking (plan() or plan.run()) or started (plan.start()): "
                             "it takes no async_op")
         self._comm, self._method, self._args, self._kwargs = comm, method, args, kwargs
+        self._dispatch = comm.core.dispatch
         self._forms: dict[bool, Prepared | None] = {}
         self._work: Work | None = None
         self._blocking = self._form(False)
@@ -80,7 +82,7 @@ class Plan:
         """The prepared call of the blocking or started form; None: it is checked at every run."""
         if async_op in self._forms:
             return self._forms[async_op]
-        dispatcher = self._comm._dispatch
+        dispatcher = self._dispatch
         dispatcher.capturing = True
         try:
             got = self._method(self._comm, *self._args, async_op=async_op, **self._kwargs)
@@ -108,7 +110,7 @@ class Plan:
         if self._work is not None and not self._work.done():
             raise TcollError("this plan was started and not waited for: call plan.wait() first")
         if self._blocking is not None:
-            return self._comm._dispatch.run_prepared(self._blocking)
+            return self._dispatch.run_prepared(self._blocking)
         self.result = self._method(self._comm, *self._args, **self._kwargs)
         return self.result
 
@@ -122,7 +124,7 @@ class Plan:
         """
         if self._blocking is None:
             return self.run
-        return functools.partial(self._comm._dispatch.run_prepared, self._blocking)
+        return functools.partial(self._dispatch.run_prepared, self._blocking)
 
     def start(self) -> Work:
         """Start a run (it proceeds while this rank does other work); returns its Work, which wait() waits for."""
@@ -130,7 +132,7 @@ class Plan:
             raise TcollError("this plan is running already: call plan.wait() before starting it again")
         prepared = self._form(True)
         if prepared is not None:
-            self._work = self._comm._dispatch.run_prepared(prepared)
+            self._work = self._dispatch.run_prepared(prepared)
         else:
             self._work = self._method(self._comm, *self._args, async_op=True, **self._kwargs)
         return self._work
@@ -187,9 +189,8 @@ class _Lean:
         self.x, self.shape, self.dtype, self.prepared = x, x.shape, x.dtype, prepared
 
 
-def lean_entry(comm: Communicator, key: Any, x: Any) -> Prepared | None:
+def lean_entry(dispatcher: Dispatcher, key: Any, x: Any) -> Prepared | None:
     """The prepared call remembered for `key` if `x` is still the buffer it was checked for, as it was."""
-    dispatcher = comm._dispatch
     try:
         entry = dispatcher.lean.get(key)
     except TypeError:  # an unhashable argument: the checks will say what is wrong with it
@@ -200,9 +201,8 @@ def lean_entry(comm: Communicator, key: Any, x: Any) -> Prepared | None:
     return entry.prepared if flags.writeable and flags.c_contiguous else None
 
 
-def lean_run(comm: Communicator, key: Any, x: Any, call: Call) -> Any:
+def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call) -> Any:
     """Prepare a checked blocking call, remember it for `key` (a small NumPy buffer `x`), and run it."""
-    dispatcher = comm._dispatch
     if dispatcher.capturing:
         return dispatcher.run(call)
     prepared = dispatcher.prepare(call, False)

@@ -82,7 +82,7 @@ def _prefix(comm: Communicator, collective: str, x: Any, op: str | Op, algorithm
     call = Call(collective, (flat, resolved), flat.nbytes, op=resolved, itemsize=flat.itemsize,
                 algorithm=algorithm, result=x, finish_buf=flat if contributions else None, dtype=flat.dtype,
                 count=flat.size, contributions=contributions)
-    return comm._dispatch.run(call, async_op)
+    return comm.core.dispatch.run(call, async_op)
 
 
 # -- objects -----------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def scan_object(comm: Communicator, obj: Any, op: str | Op | Callable[[Any, Any]
         TcollError: another rank could not pickle its partial result (that rank raises the pickling error).
     """
     fn = object_op(op)
-    return comm._dispatch.run_custom("scan_object", lambda team: _object_prefix(team, obj, fn, False), async_op)
+    return comm.core.dispatch.run_custom("scan_object", lambda team: _object_prefix(team, obj, fn, False), async_op)
 
 
 @numbered("exscan_object")
@@ -168,7 +168,7 @@ def exscan_object(comm: Communicator, obj: Any, op: str | Op | Callable[[Any, An
         TcollError: as scan_object.
     """
     fn = object_op(op)
-    return comm._dispatch.run_custom("exscan_object", lambda team: _object_prefix(team, obj, fn, True), async_op)
+    return comm.core.dispatch.run_custom("exscan_object", lambda team: _object_prefix(team, obj, fn, True), async_op)
 
 
 def _object_prefix(team: Team, obj: Any, fn: Callable[[Any, Any], Any], exclusive: bool) -> Algorithm:

@@ -46,14 +46,15 @@ def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: s
         ValueError: x is not contiguous or is read-only; unknown algorithm.
     """
     key = (id(x), "all_reduce", op, algorithm)
+    dispatcher = comm.core.dispatch
     if not async_op:
-        prepared = lean_entry(comm, key, x)
+        prepared = lean_entry(dispatcher, key, x)
         if prepared is not None:  # the same buffer and arguments as a recent call: checked then
-            return comm._dispatch.run_prepared(prepared)
+            return dispatcher.run_prepared(prepared)
     flat, resolved = reduction_input(x, op, "all_reduce buffer")
     call = Call("all_reduce", (flat, resolved), flat.nbytes, op=resolved, itemsize=flat.itemsize,
                 algorithm=algorithm, result=x, finish_buf=flat, dtype=flat.dtype, count=flat.size)
-    return comm._dispatch.run(call, True) if async_op else lean_run(comm, key, x, call)
+    return dispatcher.run(call, True) if async_op else lean_run(dispatcher, key, x, call)
 
 
 @numbered("reduce")
@@ -75,17 +76,18 @@ def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, a
         TypeError, ValueError: as all_reduce; root out of range.
     """
     key = (id(x), "reduce", root, op, algorithm)
+    dispatcher = comm.core.dispatch
     if not async_op:
-        prepared = lean_entry(comm, key, x)
+        prepared = lean_entry(dispatcher, key, x)
         if prepared is not None:
-            return comm._dispatch.run_prepared(prepared)
+            return dispatcher.run_prepared(prepared)
     check_peer(root, comm.size, "root")
     arr, resolved = reduction_input(x, op, "reduce buffer", writable=comm.rank == root)
     flat = arr.reshape(-1)
     call = Call("reduce", (flat, resolved, root), flat.nbytes, op=resolved, itemsize=flat.itemsize,
                 algorithm=algorithm, result=x, finish_buf=flat if comm.rank == root else None, dtype=flat.dtype,
                 count=flat.size, root=root)
-    return comm._dispatch.run(call, True) if async_op else lean_run(comm, key, x, call)
+    return dispatcher.run(call, True) if async_op else lean_run(dispatcher, key, x, call)
 
 
 @numbered("reduce_scatter")
@@ -154,7 +156,7 @@ def _reduce_scatter(comm: Communicator, label: str, send: np.ndarray, out_flat: 
     call = Call("reduce_scatter", (send, out_flat, counts, op), send.nbytes, label=label, op=op,
                 itemsize=send.itemsize, uneven=len(set(counts)) > 1, algorithm=algorithm, result=user_out,
                 finish_buf=out_flat, dtype=send.dtype, count=send.size)
-    return comm._dispatch.run(call, async_op)
+    return comm.core.dispatch.run(call, async_op)
 
 
 @numbered("barrier")
@@ -165,10 +167,11 @@ def barrier(comm: Communicator, *, algorithm: str = "auto", async_op: bool = Fal
         algorithm: "auto", or one of tcoll.algorithms("barrier").
         async_op: return a Work instead of waiting.
     """
-    if async_op or comm._dispatch.capturing:
-        return comm._dispatch.run(Call("barrier", (), 0, algorithm=algorithm), async_op)
-    prepared = comm._dispatch.lean.get(("barrier", algorithm))
+    dispatcher = comm.core.dispatch
+    if async_op or dispatcher.capturing:
+        return dispatcher.run(Call("barrier", (), 0, algorithm=algorithm), async_op)
+    prepared = dispatcher.lean.get(("barrier", algorithm))
     if prepared is None:
-        prepared = comm._dispatch.lean[("barrier", algorithm)] = comm._dispatch.prepare(
+        prepared = dispatcher.lean[("barrier", algorithm)] = dispatcher.prepare(
             Call("barrier", (), 0, algorithm=algorithm))
-    return comm._dispatch.run_prepared(prepared)
+    return dispatcher.run_prepared(prepared)

@@ -85,7 +85,7 @@ def _headers(comm: Communicator, mine: np.ndarray, label: str) -> Call:
 def _check_algorithm(comm: Communicator, collective: str, algorithm: str, nbytes: int, async_op: bool) -> None:
     """An algorithm asked for must run uneven counts: checked before anything is sent."""
     if algorithm != "auto":
-        comm._dispatch.choose(collective, algorithm, nbytes, uneven=True, blocking=not async_op)
+        comm.core.dispatch.choose(collective, algorithm, nbytes, uneven=True, blocking=not async_op)
 
 
 @numbered("all_gatherv")
@@ -108,7 +108,7 @@ def all_gatherv(comm: Communicator, x: Any, *, algorithm: str = "auto", async_op
     arr = rows_array(x, "all_gatherv input")
     _check_algorithm(comm, "all_gather", algorithm, arr.nbytes, async_op)
     head = Call("all_gather", (), 0, label="all_gatherv", algorithm=algorithm)
-    return comm._dispatch.run_program(_all_gatherv_steps(comm, x, arr, algorithm), head, async_op)
+    return comm.core.dispatch.run_program(_all_gatherv_steps(comm, x, arr, algorithm), head, async_op)
 
 
 def _all_gatherv_steps(comm: Communicator, x: Any, arr: np.ndarray, algorithm: str) -> Program:
@@ -147,7 +147,7 @@ def gatherv(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "auto
     arr = rows_array(x, "gatherv input")
     _check_algorithm(comm, "gather", algorithm, arr.nbytes, async_op)
     head = Call("gather", (), 0, label="gatherv", root=root, algorithm=algorithm)
-    return comm._dispatch.run_program(_gatherv_steps(comm, x, arr, root, algorithm), head, async_op)
+    return comm.core.dispatch.run_program(_gatherv_steps(comm, x, arr, root, algorithm), head, async_op)
 
 
 def _gatherv_steps(comm: Communicator, x: Any, arr: np.ndarray, root: int, algorithm: str) -> Program:
@@ -197,7 +197,7 @@ def scatterv(comm: Communicator, chunks: Any, root: int = 0, *, algorithm: str =
         send = np.concatenate([v.reshape(-1) for v in views])
     _check_algorithm(comm, "scatter", algorithm, 0 if send is None else send.nbytes // comm.size, async_op)
     head = Call("scatter", (), 0, label="scatterv", root=root, algorithm=algorithm)
-    return comm._dispatch.run_program(_scatterv_steps(comm, header, send, root, algorithm), head, async_op)
+    return comm.core.dispatch.run_program(_scatterv_steps(comm, header, send, root, algorithm), head, async_op)
 
 
 def _scatterv_steps(comm: Communicator, header: np.ndarray, send: np.ndarray | None, root: int,
@@ -244,7 +244,7 @@ def all_to_allv(comm: Communicator, chunks: Any, *, algorithm: str = "auto", asy
     _check_algorithm(comm, "all_to_all", algorithm, send.nbytes, async_op)
     program = _all_to_allv_steps(comm, chunks[0], views[0], mine, send, algorithm)
     head = Call("all_to_all", (), 0, label="all_to_allv", algorithm=algorithm)
-    return comm._dispatch.run_program(program, head, async_op)
+    return comm.core.dispatch.run_program(program, head, async_op)
 
 
 def _all_to_allv_steps(comm: Communicator, like: Any, first: np.ndarray, mine: np.ndarray, send: np.ndarray,
@@ -276,9 +276,9 @@ def _direct(comm: Communicator, width: int, algorithm: str) -> bool:
     Raises:
         ValueError: algorithm "shm", and the slot is too small.
     """
-    if not comm._dispatch.direct_capable():
+    if not comm.core.dispatch.direct_capable():
         return False
-    slot = comm._dispatch.chooser.slot_bytes()
+    slot = comm.core.dispatch.chooser.slot_bytes()
     if comm.size == 1 or slot >= width + comm.size:
         return True
     if algorithm == "shm":
@@ -290,7 +290,7 @@ def _direct(comm: Communicator, width: int, algorithm: str) -> bool:
 def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray],
                         mine: np.ndarray) -> list[Any] | None:
     """all_to_allv in one call on the arena: the headers travel in its first step, with the data."""
-    if comm._dispatch.capturing:  # a plan: its runs call all_to_allv anew (the result is made in arrived)
+    if comm.core.dispatch.capturing:  # a plan: its runs call all_to_allv anew (the result is made in arrived)
         return None
     first, rank, size = views[0], comm.rank, comm.size
     trailing, dtype = first.shape[1:], first.dtype
@@ -312,5 +312,5 @@ def _all_to_allv_direct(comm: Communicator, like: Any, views: list[np.ndarray],
 
     blocks = [v.reshape(-1).view(np.uint8) for v in views]
     call = Call("all_to_allv", (mine, blocks, arrived), sum(b.size for b in blocks) // size, label="all_to_allv")
-    comm._dispatch.run(call)
+    comm.core.dispatch.run(call)
     return result[0]
