@@ -8,7 +8,7 @@ Builds two hosts with their own network namespace, hostname and /dev/shm
 (tests/helpers/netns.py), adds `tc qdisc add dev eth0 root netem delay D` in
 each (so a message between hosts takes D more), and runs `tcoll run --nnodes 2
 -n 2` of this file's worker in each. The worker sweeps the sizes with the
-timing loop of `tcoll bench` (tcoll.bench.runner: warm-up, barrier, `iters`
+timing loop of `tcoll bench` (tcoll.bench.sweep: warm-up, barrier, `iters`
 back-to-back calls, the slowest rank's mean) for each algorithm, and notes
 what algorithm="auto" chose at each size. Needs root.
 """
@@ -31,7 +31,8 @@ def worker(out: str, sizes: list[int], iters: int) -> None:
     """One rank: sweep every algorithm at every size; rank 0 writes the rows and auto's choices."""
 
     import tcoll
-    from tcoll.bench.runner import BenchConfig, make_plan, tcoll_worker
+    from tcoll.bench.plan import BenchConfig, make_plan
+    from tcoll.bench.tcoll_backend import tcoll_worker
     from tcoll.ops import OPS
 
     comm = tcoll.init()

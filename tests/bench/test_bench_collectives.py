@@ -40,15 +40,10 @@ from tcoll.bench.report import (
     plot,
     write_json,
 )
-from tcoll.bench.runner import (
-    LOAD_MARKER,
-    BenchConfig,
-    LoadGenerator,
-    make_plan,
-    measurements,
-    run_bench,
-    tcoll_worker,
-)
+from tcoll.bench.load import LOAD_MARKER, LoadGenerator
+from tcoll.bench.plan import BenchConfig, make_plan, measurements
+from tcoll.bench.runner import run_bench
+from tcoll.bench.tcoll_backend import tcoll_worker
 from tcoll.cli import main as tcoll_main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from tcoll.bench import compare
 from tcoll.bench.collectives import CASES, Buffers, Params, Pattern, fill, layout, make_buffers, resolve_dtype
 from tcoll.bench.deepspeed_worker import DeepSpeedBackend, refusal, shm_segment, unreduced
 from tcoll.bench.report import aggregate, format_table
-from tcoll.bench.runner import BenchConfig, make_plan, measurements
+from tcoll.bench.plan import BenchConfig, make_plan, measurements
 from tcoll.cli import main as tcoll_main
 
 

@@ -471,11 +471,11 @@ def test_the_copy_direction_was_calibrated() -> None:
 
 def test_the_kernels_are_built_where_a_compiler_is() -> None:
     """An install on a machine with a C compiler has both kernels (their build is optional, so a failure is
-    silent): the arena's and the rings' (tcoll.transport._ring_kernel)."""
+    silent): the arena's and the rings' (tcoll.transport.shm._ring_kernel)."""
     import shutil
     import sysconfig
 
-    from tcoll.transport import shm
+    from tcoll.transport.shm import rings as shm
 
     if not (shutil.which("cc") or shutil.which("gcc")) or not sysconfig.get_paths().get("include"):
         pytest.skip("no C compiler or no Python headers here")

@@ -17,8 +17,8 @@ _JOB = """
     import json, os, signal, sys, time
     import tcoll
     from tcoll.startup import connect
-    from tcoll.transport.shm import ShmTransport
-    from tcoll.transport.tcp import TcpTransport
+    from tcoll.transport.shm.transport import ShmTransport
+    from tcoll.transport.tcp.transport import TcpTransport
 
     rank, where = int(os.environ["TCOLL_RANK"]), sys.argv[1]
 
@@ -31,7 +31,7 @@ _JOB = """
     if rank == 2 and where == "connect":
         ShmTransport.connect = TcpTransport.connect = die
     if rank == 1 and where == "segment":  # its rings go before rank 0 maps them, as when its setup fails
-        import tcoll.transport.shm as shm
+        import tcoll.transport.shm.transport as shm
         made = shm.new_segment
 
         def let_go_at_once(*args, **kwargs):

@@ -13,8 +13,8 @@ import pytest
 from tcoll.errors import RendezvousError
 from tcoll.startup.liveness import PeerWatch
 from tcoll.store.memory import MemoryStore
-from tcoll.transport import shm as shm_module
-from tcoll.transport.shm import process_alive
+from tcoll.transport.shm import channel as shm_module
+from tcoll.transport.shm.channel import process_alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,7 +54,7 @@ import errno, json, os, resource, sys
 from tcoll.errors import RendezvousError
 from tcoll.startup.liveness import PeerWatch
 from tcoll.store.memory import MemoryStore
-from tcoll.transport.shm import process_alive
+from tcoll.transport.shm.channel import process_alive
 
 parent, start = int(sys.argv[1]), int(sys.argv[2])
 card = json.loads(sys.argv[3])

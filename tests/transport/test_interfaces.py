@@ -9,7 +9,7 @@ import pytest
 from tcoll.errors import TimeoutError, TransportError
 from tcoll.transport import interfaces
 from tcoll.transport.interfaces import Interface, choose_address, parse_ifname, select_interfaces
-from tcoll.transport.tcp_connect import connect_all, open_listener
+from tcoll.transport.tcp.connect import connect_all, open_listener
 
 IFACES = [Interface("lo", "127.0.0.1", True, True), Interface("docker0", "172.17.0.1", True, False),
           Interface("eth0", "10.0.0.5", True, False), Interface("eth1", "10.1.0.5", False, False),

@@ -41,7 +41,8 @@ def test_every_collective_over_mpi_under_mpiexec(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_compares_tcoll_over_mpi() -> None:
-    from tcoll.bench.runner import BenchConfig, run_bench
+    from tcoll.bench.plan import BenchConfig
+    from tcoll.bench.runner import run_bench
 
     config = BenchConfig(cases=["all_reduce"], n=2, sizes=[4096], compare=["tcoll-mpi"], repeats=1, iters=3,
                          warmup=1, check=True, timeout=100)

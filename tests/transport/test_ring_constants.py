@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tcoll.p2p.channel import HEADER, MAGIC
-from tcoll.transport import shm
+from tcoll.transport.shm import rings as shm
 
-kernel = pytest.importorskip("tcoll.transport._ring_kernel")
+kernel = pytest.importorskip("tcoll.transport.shm._ring_kernel")
 
 
 def test_the_built_kernel_matches() -> None:

@@ -1,4 +1,4 @@
-"""The lean blocking send and receive between ranks of one host (tcoll.transport._ring_kernel).
+"""The lean blocking send and receive between ranks of one host (tcoll.transport.shm._ring_kernel).
 
 A blocking send writes its message straight into the peer's ring and a
 blocking receive takes the next message of its ring when nothing else could
@@ -24,9 +24,9 @@ import tcoll
 from tcoll import ANY_SOURCE, ANY_TAG
 from tcoll.errors import MessageSizeError
 from tcoll.p2p.channel import HEADER, pack_header, unpack_header
-from tcoll.transport import shm
+from tcoll.transport.shm import rings as layout
 
-kernel = shm.ring_kernel
+kernel = layout.ring_kernel
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the ring kernel was not built (no compiler)")
 
 SIZE = 4096
@@ -38,24 +38,24 @@ class Pair:
     """Two rings on anonymous memory and a doorbell: `rings` writes `out` and reads `inbound`."""
 
     def __init__(self) -> None:
-        self.map = mmap.mmap(-1, 2 * (shm._RING_CTL + SIZE) + mmap.PAGESIZE)
-        self.inbound = shm._Ring(self.map, 0, SIZE)
-        self.out = shm._Ring(self.map, shm._RING_CTL + SIZE, SIZE)
+        self.map = mmap.mmap(-1, 2 * (layout.RING_CTL + SIZE) + mmap.PAGESIZE)
+        self.inbound = layout.Ring(self.map, 0, SIZE)
+        self.out = layout.Ring(self.map, layout.RING_CTL + SIZE, SIZE)
         self.bell = memoryview(self.map)[-mmap.PAGESIZE:-mmap.PAGESIZE + 8].cast("I")
         self.rings = kernel.Rings(self.inbound.ctl, self.inbound.mv, self.out.ctl, self.out.mv, self.bell)
 
-    def at(self, ring: shm._Ring, position: int) -> None:
+    def at(self, ring: layout.Ring, position: int) -> None:
         """Make `ring` empty at stream position `position`."""
-        ring.ctl[shm._HEAD] = ring.ctl[shm._TAIL] = position
+        ring.ctl[layout.HEAD] = ring.ctl[layout.TAIL] = position
 
     def put(self, position: int, payload: bytes, ctx: int = CTX, tag: int = TAG, magic_ok: bool = True) -> int:
         """Write a message into the inbound ring the Python way (as a peer's channel does); its end."""
         header = pack_header(ctx, tag, len(payload))
         if not magic_ok:
             header = b"\x00" * 4 + header[4:]
-        shm._write(self.inbound, position, header)
-        shm._write(self.inbound, position + HEADER.size, payload)
-        self.inbound.ctl[shm._HEAD] = position + HEADER.size + len(payload)
+        layout.write(self.inbound, position, header)
+        layout.write(self.inbound, position + HEADER.size, payload)
+        self.inbound.ctl[layout.HEAD] = position + HEADER.size + len(payload)
         return position + HEADER.size + len(payload)
 
     def close(self) -> None:
@@ -87,10 +87,10 @@ def test_what_the_kernel_sends_the_python_reader_reads(pair: Pair, start: int, c
     pair.at(pair.out, start)
     data = _payload(count, start)
     head = pair.rings.send(CTX, TAG, data)
-    assert head == start + HEADER.size + count == pair.out.ctl[shm._HEAD]
-    assert unpack_header(shm._read_header(pair.out, start), peer=1) == (CTX, TAG, count, 0)
+    assert head == start + HEADER.size + count == pair.out.ctl[layout.HEAD]
+    assert unpack_header(layout.read_header(pair.out, start), peer=1) == (CTX, TAG, count, 0)
     got = np.zeros(count, dtype=np.uint8)
-    shm._read(pair.out, start + HEADER.size, got, 0, count)
+    layout.read(pair.out, start + HEADER.size, got, 0, count)
     np.testing.assert_array_equal(got, data)
 
 
@@ -102,7 +102,7 @@ def test_what_python_writes_the_kernel_receives(pair: Pair, start: int, count: i
     data = _payload(count, start + 1)
     end = pair.put(start, data.tobytes())
     out = np.full(count + 8, 7, dtype=np.uint8)  # a longer buffer: the message may be shorter
-    assert pair.rings.recv(CTX, TAG, out, 0, False) == end == pair.inbound.ctl[shm._TAIL]
+    assert pair.rings.recv(CTX, TAG, out, 0, False) == end == pair.inbound.ctl[layout.TAIL]
     np.testing.assert_array_equal(out[:count], data)
     assert (out[count:] == 7).all()  # nothing written past the message
 
@@ -137,12 +137,12 @@ def test_the_receiver_leaves_what_is_not_its_message(pair: Pair) -> None:
     pair.put(tail, b"12345678", magic_ok=False)
     assert rings.recv(CTX, TAG, bytearray(8), 0, False) == kernel.NOT_MINE  # not a header: Python says so
     pair.put(tail, b"12345678")
-    pair.inbound.ctl[shm._HEAD] = tail + HEADER.size + 4  # half the payload so far
+    pair.inbound.ctl[layout.HEAD] = tail + HEADER.size + 4  # half the payload so far
     assert rings.recv(CTX, TAG, bytearray(8), 100_000, False) == kernel.NOT_MINE
     assert rings.recv(CTX, TAG, bytes(8), 0, False) == kernel.NOT_MINE  # read-only buffer
     assert rings.recv(CTX, TAG, np.zeros(2, dtype=object), 0, False) == kernel.NOT_MINE
-    assert pair.inbound.ctl[shm._TAIL] == tail  # nothing was taken
-    pair.inbound.ctl[shm._HEAD] = tail + HEADER.size + 8
+    assert pair.inbound.ctl[layout.TAIL] == tail  # nothing was taken
+    pair.inbound.ctl[layout.HEAD] = tail + HEADER.size + 8
     out = bytearray(8)
     assert rings.recv(CTX, TAG, out, 0, False) == tail + HEADER.size + 8 and out == b"12345678"
 
@@ -151,11 +151,11 @@ def test_the_receiver_leaves_what_is_not_its_message(pair: Pair) -> None:
 def test_the_sender_writes_nothing_without_room_or_for_what_it_will_not_take(pair: Pair) -> None:
     rings = pair.rings
     pair.at(pair.out, 0)
-    pair.out.ctl[shm._HEAD] = SIZE - 100  # the reader is 100 bytes of room behind
+    pair.out.ctl[layout.HEAD] = SIZE - 100  # the reader is 100 bytes of room behind
     assert rings.send(CTX, TAG, bytes(61)) == kernel.NO_ROOM  # 40 + 61 > 100
     assert rings.send(CTX, TAG, np.zeros(2, dtype=object)) == kernel.NO_ROOM  # pointers are no data
     assert rings.send(CTX, TAG, np.zeros((4, 4))[:, 0]) == kernel.NO_ROOM  # not contiguous
-    assert pair.out.ctl[shm._HEAD] == SIZE - 100
+    assert pair.out.ctl[layout.HEAD] == SIZE - 100
     assert rings.send(CTX, TAG, bytes(60)) == SIZE  # exactly full
 
 
@@ -351,7 +351,7 @@ def burst_calls(comm: tcoll.Communicator, kind: str, count: int) -> tuple[int, b
             for i in range(count):
                 comm.send(_buffer(kind, i), peer, 5)
         else:
-            while inbound.ctl[shm._HEAD] - inbound.ctl[shm._TAIL] < count * (HEADER.size + buf.nbytes):
+            while inbound.ctl[layout.HEAD] - inbound.ctl[layout.TAIL] < count * (HEADER.size + buf.nbytes):
                 pass  # every message is in the ring: each receive finds its message at once
             for i in range(count):
                 right &= _values(comm.recv(buf, peer, 5)) == [i] * 4

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 
 from tcoll.p2p.channel import HEADER, MAGIC, pack_header, unpack_header
-from tcoll.transport import shm
+from tcoll.transport.shm import rings
 
 SIZE = 8192
 
 
 @pytest.fixture(name="ring")
-def ring_fixture() -> shm._Ring:
-    buf = mmap.mmap(-1, shm._RING_CTL + SIZE)
-    ring = shm._Ring(buf, 0, SIZE)
+def ring_fixture() -> rings.Ring:
+    buf = mmap.mmap(-1, rings.RING_CTL + SIZE)
+    ring = rings.Ring(buf, 0, SIZE)
     yield ring
     ring.release()
 
@@ -33,43 +33,43 @@ def _stream(n: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("start", [0, 1, SIZE - 1, SIZE - 100, SIZE - 5000, 3 * SIZE + 17])
-@pytest.mark.parametrize("count", [1, 100, shm._SMALL - 1, shm._SMALL, SIZE // 2, SIZE])
-def test_write_then_read_gives_the_bytes_back(ring: shm._Ring, start: int, count: int) -> None:
+@pytest.mark.parametrize("count", [1, 100, rings._SMALL - 1, rings._SMALL, SIZE // 2, SIZE])
+def test_write_then_read_gives_the_bytes_back(ring: rings.Ring, start: int, count: int) -> None:
     data = _stream(count, start)
-    shm._write(ring, start, data, 0, count)
+    rings.write(ring, start, data, 0, count)
     out = np.zeros(count + 10, dtype=np.uint8)
-    shm._read(ring, start, out, 5, count)
+    rings.read(ring, start, out, 5, count)
     np.testing.assert_array_equal(out[5:5 + count], data)
     assert not out[:5].any() and not out[5 + count:].any()  # nothing written outside the target
 
 
-def test_a_write_wraps_at_the_end_of_the_buffer(ring: shm._Ring) -> None:
+def test_a_write_wraps_at_the_end_of_the_buffer(ring: rings.Ring) -> None:
     data = _stream(300, 1)
-    shm._write(ring, SIZE - 100, data, 0, 300)
+    rings.write(ring, SIZE - 100, data, 0, 300)
     np.testing.assert_array_equal(ring.np[SIZE - 100:], data[:100])
     np.testing.assert_array_equal(ring.np[:200], data[100:])
 
 
-def test_a_write_takes_a_slice_of_its_source(ring: shm._Ring) -> None:
+def test_a_write_takes_a_slice_of_its_source(ring: rings.Ring) -> None:
     data = _stream(1000, 2)
-    shm._write(ring, 10, data, 400, 250)
+    rings.write(ring, 10, data, 400, 250)
     np.testing.assert_array_equal(ring.np[10:260], data[400:650])
 
 
 @pytest.mark.parametrize("offset_from_end", [HEADER.size, HEADER.size - 1, 1, 16])
-def test_a_header_cut_by_the_wrap_reads_whole(ring: shm._Ring, offset_from_end: int) -> None:
+def test_a_header_cut_by_the_wrap_reads_whole(ring: rings.Ring, offset_from_end: int) -> None:
     position = 5 * SIZE - offset_from_end
     stamp = 42 | 7 << 64 | 1 << 127  # both words of the stamp travel
-    shm._write(ring, position, pack_header(7, 123456789, 4096, stamp))
-    assert unpack_header(shm._read_header(ring, position), peer=1) == (7, 123456789, 4096, stamp)
+    rings.write(ring, position, pack_header(7, 123456789, 4096, stamp))
+    assert unpack_header(rings.read_header(ring, position), peer=1) == (7, 123456789, 4096, stamp)
 
 
-def test_a_corrupt_header_is_a_transport_error(ring: shm._Ring) -> None:
+def test_a_corrupt_header_is_a_transport_error(ring: rings.Ring) -> None:
     from tcoll.errors import TransportError
 
-    shm._write(ring, 0, b"\xff" * HEADER.size)
+    rings.write(ring, 0, b"\xff" * HEADER.size)
     with pytest.raises(TransportError, match="corrupt message header from rank 3"):
-        unpack_header(shm._read_header(ring, 0), peer=3)
+        unpack_header(rings.read_header(ring, 0), peer=3)
     assert MAGIC == HEADER.unpack(pack_header(0, 0, 0))[0]
 
 
@@ -81,5 +81,5 @@ def test_a_corrupt_header_is_a_transport_error(ring: shm._Ring) -> None:
     (8192, 2, 8192),
 ])
 def test_ring_sizes(setting: int, nlocal: int, expected: int) -> None:
-    size = shm._ring_bytes(setting, nlocal)
+    size = rings.ring_bytes(setting, nlocal)
     assert size == expected and size % 4096 == 0

@@ -19,7 +19,7 @@ from tcoll.p2p.channel import HEADER
 from tcoll.p2p.engine import Engine
 from tcoll.env import Settings
 from tcoll.errors import MessageSizeError, PeerLostError, TimeoutError, TransportError
-from tcoll.transport.tcp import TcpTransport, choose_address
+from tcoll.transport.tcp.transport import TcpTransport, choose_address
 from tcoll.p2p.waiting import Doorbell
 
 try:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from helpers.procs import hung_up
 
-from tcoll.transport import tcp_connect
-from tcoll.transport.tcp_connect import connect_all, open_listener
+from tcoll.transport.tcp import connect as tcp_connect
+from tcoll.transport.tcp.connect import connect_all, open_listener
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,9 +17,12 @@ import sys
 from typing import Any
 
 from ..env import parse_size
+from . import BenchError
 from .collectives import CASES, DTYPES, OPS
+from .load import LoadGenerator
 from .machine import describe_machine
 from .p2p import P2PRow, run_p2p, sizes_between
+from .plan import BenchConfig
 from .report import (
     PlotUnavailable,
     Progress,
@@ -29,7 +32,7 @@ from .report import (
     plot,
     write_json,
 )
-from .runner import BenchConfig, BenchError, LoadGenerator, run_bench
+from .runner import run_bench
 
 __all__ = ["add_arguments", "main"]
 

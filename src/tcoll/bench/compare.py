@@ -1,6 +1,6 @@
 """The compare targets: torch.distributed with gloo, mpi4py with MPICH, and DeepSpeed's CPU shm all_reduce.
 
-Each runs the same plan as tcoll (`runner.sweep`) in its own processes:
+Each runs the same plan as tcoll (`sweep.sweep`) in its own processes:
 gloo as n `python -m tcoll.bench.gloo_worker` subprocesses meeting at
 127.0.0.1 on a free port; MPI as `mpiexec -n N python -m tcoll.bench.mpi_worker`.
 tcoll itself over its MPI engine ("tcoll-mpi") as `mpiexec -n N python -m

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .collectives import BenchCase, Buffers, Params
-from .runner import Backend, sweep
+from .sweep import Backend, sweep
 from .worker_io import read_plan, write_result
 
 

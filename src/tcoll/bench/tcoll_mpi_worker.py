@@ -8,7 +8,7 @@ Isend/Irecv: the counterpart of the "mpi" target, MPI's own collectives.
 from __future__ import annotations
 
 from ..startup.init import init
-from .runner import tcoll_worker
+from .tcoll_backend import tcoll_worker
 from .worker_io import read_plan, write_result
 
 

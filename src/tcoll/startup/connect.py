@@ -22,8 +22,8 @@ from ..store.base import Store
 from ..transport.base import Card, Transport
 from ..transport.loopback import LoopbackTransport
 from ..transport.mpi import MpiTransport
-from ..transport.shm import ShmTransport
-from ..transport.tcp import TcpTransport
+from ..transport.shm.transport import ShmTransport
+from ..transport.tcp.transport import TcpTransport
 from .liveness import PeerWatch, WatchedStore
 from .rendezvous import exchange_cards
 

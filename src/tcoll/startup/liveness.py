@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import RendezvousError
 from ..store.base import Store
-from ..transport.shm import process_alive
+from ..transport.shm.channel import process_alive
 
 __all__ = ["CHECK_INTERVAL", "PeerWatch", "WatchedStore"]
 

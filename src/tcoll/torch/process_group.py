@@ -1,6 +1,8 @@
 """The torch.distributed backend "tcoll": a `dist.ProcessGroup` subclass over a tcoll Communicator.
 
-This is the only module that touches torch internals. torch's Python
+This module and `reduce_ops` (torch's ReduceOp, read as tcoll's ops) are
+the only ones that touch torch internals; the data movement collectives'
+tensor plumbing is in `movement`. torch's Python
 `Backend` cannot be subclassed, so the backend is a ProcessGroup subclass,
 which `init_process_group` / `new_group` use as the group itself. torch
 reaches the Python methods in two ways: the Python API calls them by name
@@ -45,32 +47,18 @@ from ..comm.communicator import Communicator
 from ..comm.pairs import ANY_SOURCE
 from ..errors import TcollError
 from ..errors import TimeoutError as TcollTimeout
-from . import worlds
+from . import BACKEND_NAME, movement, worlds
 from .plans import AllReducePlans
+from .reduce_ops import HASH_IS_VALUE, SIMPLE_OPS, reduction
 from .sparse import all_reduce_sparse
-from .tensors import (NATIVE, Contiguous, as_bytes, fill, finisher, np_bytes, np_view,
-                      pieces, reduce_source, reduce_target, row_bytes, typed)
+from .tensors import NATIVE, Contiguous, check_count, finisher, np_bytes, np_view, reduce_source, reduce_target
 from .work import (Finish, Held, TcollWork, async_requested, chain, completed, counted, drop_held, each, held_calls,
-                   result_of, run_held, seconds, timed_out)
+                   run_held, seconds, timed_out)
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
-BACKEND_NAME = "tcoll"
-
-_RedOp = dist.ReduceOp.RedOpType
-_OP_NAMES = {
-    _RedOp.SUM: "sum", _RedOp.PRODUCT: "prod", _RedOp.MIN: "min", _RedOp.MAX: "max",
-    _RedOp.BAND: "band", _RedOp.BOR: "bor", _RedOp.BXOR: "bxor", _RedOp.AVG: "avg", _RedOp.PREMUL_SUM: "sum",
-}
-_U8 = torch.uint8
 _STRIDED = torch.strided
-# The ops (by value: hashing torch's enum is slow) and dtypes tcoll reduces as torch means them, with no extra step.
-_SIMPLE_OPS = {k.value: v for k, v in _OP_NAMES.items() if k not in (_RedOp.PREMUL_SUM, _RedOp.AVG)}
-# A ReduceOp hashes to its op's value in torch 2.13, a third of the cost of reading .op.value; used only if so.
-_HASH_IS_VALUE = all(hash(dist.ReduceOp(k)) == k.value for k in _OP_NAMES if k != _RedOp.PREMUL_SUM) and \
-    hash(dist._make_nccl_premul_sum(2.0)) == _RedOp.PREMUL_SUM.value
 _SIMPLE_DTYPES = NATIVE
-_AVG_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float64}  # where an average cannot overflow
 # dist.all_reduce(async_op=False) takes None for a call done inside, where a Work costs a tenth of a small call.
 _DIST_ALL_REDUCE = inspect.unwrap(dist.all_reduce).__code__
 
@@ -201,28 +189,9 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------------
 
-    def _reduction(self, reduce_op: Any, dtype: torch.dtype) -> tuple[str, Any, bool, torch.dtype | None]:
-        """(tcoll op name, premultiplication factor or None, integer average, dtype to reduce in or None)
-        for a torch ReduceOp on `dtype`.
-
-        The average of float16 (bfloat16) is taken in float32 (float64) and
-        rounded back: their sum overflows long before their mean does.
-        """
-        kind = getattr(reduce_op, "op", reduce_op)
-        name = _OP_NAMES.get(kind)
-        if name is None:
-            raise ValueError(f"{BACKEND_NAME}: reduce op {kind} is not supported")
-        factor = getattr(reduce_op, "factor", None) if kind == _RedOp.PREMUL_SUM else None
-        int_avg = False
-        if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-            if dtype == torch.bool:
-                raise TypeError(f"{BACKEND_NAME}: ReduceOp.AVG does not apply to torch.bool tensors")
-            name, int_avg = "sum", True
-        return name, factor, int_avg, _AVG_IN.get(dtype) if name == "avg" else None
-
     def _in_place(self, t: torch.Tensor, reduce_op: Any) -> tuple[torch.Tensor, str, Finish]:
         """For a reduction in place on `t`: (the buffer tcoll reduces, the op name, what writes `t`)."""
-        name, factor, int_avg, wide = self._reduction(reduce_op, t.dtype)
+        name, factor, int_avg, wide = reduction(reduce_op, t.dtype)
         src = reduce_source(t, factor, wide)
         return src, name, finisher(src, t, int_avg, self.comm.size)
 
@@ -230,7 +199,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceOptions()
         if len(tensors) == 1:  # the common case, kept short: it is DDP's and the latency benchmark's
             t = tensors[0]
-            name = _SIMPLE_OPS.get(hash(opts.reduceOp) if _HASH_IS_VALUE else opts.reduceOp.op.value)
+            name = SIMPLE_OPS.get(hash(opts.reduceOp) if HASH_IS_VALUE else opts.reduceOp.op.value)
             if name is not None and t.layout is _STRIDED and t.dtype in _SIMPLE_DTYPES and t.is_contiguous():
                 if not opts.asyncOp and not held_calls:  # dist.all_reduce(t): run it now
                     self._sequence += 1
@@ -255,7 +224,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         if any(t.is_sparse for t in tensors):  # gloo's way: gather every rank's entries, coalesce
             def start_sparse(_: bool) -> list[Any]:
                 for t in tensors:
-                    all_reduce_sparse(self.comm, t, self._reduction(opts.reduceOp, t.dtype)[0])
+                    all_reduce_sparse(self.comm, t, reduction(opts.reduceOp, t.dtype)[0])
                 return []
 
             return self._issue(list(tensors), start_sparse, async_requested(opts) and None)
@@ -299,7 +268,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceOptions()
         root, prepared = int(opts.rootRank), []
         for t in tensors:
-            name, factor, int_avg, wide = self._reduction(opts.reduceOp, t.dtype)
+            name, factor, int_avg, wide = reduction(opts.reduceOp, t.dtype)
             src = reduce_source(t, factor, wide)
             prepared.append((src, name, finisher(src, t, int_avg, self.comm.size)))
 
@@ -315,7 +284,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         """Reduce rank r's input_tensors[0][j] over ranks into rank j's output (sizes may differ by j)."""
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         output, inputs = output_tensors[0], input_tensors[0]
-        self._check_count(inputs, "reduce_scatter input list")
+        check_count(inputs, self.comm.size, "reduce_scatter input list")
         flat = torch.cat([t.detach().reshape(-1) for t in inputs])
         counts = [t.numel() for t in inputs]
         return self._reduce_scatter_flat(output, flat, counts, opts)
@@ -323,7 +292,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, counts: list[int],
                              opts: Any) -> TcollWork:
         """Reduce-scatter the flat `flat` (part j: counts[j] elements) into `output`."""
-        name, factor, int_avg, wide = self._reduction(opts.reduceOp, flat.dtype)
+        name, factor, int_avg, wide = reduction(opts.reduceOp, flat.dtype)
         src = reduce_source(flat, factor, wide)
         dst = reduce_target(output, wide)
         back = finisher(dst, output, int_avg, self.comm.size)
@@ -362,63 +331,27 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    # -- data movement -------------------------------------------------------------------
+    # -- data movement (the tensor plumbing of each: tcoll.torch.movement) ------------------------
 
     @counted("broadcast")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
-        root = int(opts.rootRank)
-        held = [Contiguous(t, copy_in=self.comm.rank == root) for t in tensors]
-
-        def start(async_op: bool) -> list[Any]:
-            return [self.comm.broadcast(typed(h.work), root, async_op=async_op) for h in held]
-
-        return self._issue(list(tensors), start, async_requested(opts), each(h.back for h in held))
+        outputs, start, finish = movement.broadcast(self.comm, tensors, int(opts.rootRank))
+        return self._issue(outputs, start, async_requested(opts), finish)
 
     @counted("all_gather")
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> TcollWork:
         """Rank r's input lands in output_tensors[0][r] of every rank (sizes may differ by rank)."""
         opts = opts if opts is not None else dist.AllgatherOptions()
-        outputs, x = output_tensors[0], Contiguous(input_tensors[0]).work
-        self._check_count(outputs, "all_gather output list")
-        send = typed(x)  # its dtype is in the call's stamp: ranks whose dtypes differ get a MismatchError
-        sizes = [o.numel() * o.element_size() for o in outputs]
-        if len(set(sizes)) == 1 and sizes[0] == send.nbytes:
-            gathered = torch.empty((self.comm.size, x.numel()), dtype=x.dtype)
-
-            def start(async_op: bool) -> list[Any]:
-                out = typed(gathered).reshape(self.comm.size, -1)
-                return [self.comm.all_gather(send, out=out, async_op=async_op)]
-
-            parts: Callable[[], Sequence[torch.Tensor]] = lambda: gathered  # noqa: E731
-        else:
-            arrived: list[Any] = []
-
-            def start(async_op: bool) -> list[Any]:
-                work = self.comm.all_gatherv(send, async_op=async_op)
-                arrived.append(work)
-                return [work]
-
-            parts = lambda: result_of(arrived[0])  # noqa: E731
-        return self._issue(list(outputs), start, async_requested(opts), lambda: fill(outputs, parts()))
+        outputs, start, finish = movement.all_gather(self.comm, output_tensors[0], input_tensors[0])
+        return self._issue(outputs, start, async_requested(opts), finish)
 
     @counted("all_gather")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        x, out = Contiguous(input).work, Contiguous(output, copy_in=False)
-        if out.work.numel() * out.work.element_size() != x.numel() * x.element_size() * self.comm.size:
-            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, input "
-                             f"{input.numel()}; the output must hold {self.comm.size} inputs")
-        if out.work.dtype == x.dtype:  # typed: the dtype is in the call's stamp (see tensors.typed)
-            send, target = typed(x), typed(out.work).reshape(self.comm.size, -1)
-        else:
-            send, target = np_bytes(x), np_bytes(out.work).reshape(self.comm.size, -1)
-
-        def start(async_op: bool) -> list[Any]:
-            return [self.comm.all_gather(send, out=target, async_op=async_op)]
-
-        return self._issue([output], start, async_requested(opts), out.back)
+        outputs, start, finish = movement.all_gather_into(self.comm, output, input)
+        return self._issue(outputs, start, async_requested(opts), finish)
 
     _allgather_base = all_gather_single
 
@@ -433,7 +366,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> TcollWork:
         """Rank r's inputs[i] lands in output_lists[r][i] of every rank (torch's layout: [rank][i])."""
-        self._check_count(output_lists, "all_gather_coalesced output list")
+        check_count(output_lists, self.comm.size, "all_gather_coalesced output list")
         for r, outs in enumerate(output_lists):
             if len(outs) != len(inputs):
                 raise ValueError(f"all_gather_coalesced: output list {r} holds {len(outs)} tensors, "
@@ -445,67 +378,25 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.GatherOptions()
-        root = int(opts.rootRank)
-        send = as_bytes(Contiguous(input_tensors[0]).work)
-        outputs = output_tensors[0] if output_tensors else []
-        gathered = None
-        if self.comm.rank == root:
-            self._check_count(outputs, "gather list")
-            gathered = torch.empty((self.comm.size, send.numel()), dtype=_U8)
-
-        def start(async_op: bool) -> list[Any]:
-            return [self.comm.gather(send.numpy(), root, out=None if gathered is None else gathered.numpy(),
-                                     async_op=async_op)]
-
-        finish = (lambda: fill(outputs, gathered)) if gathered is not None else None
-        return self._issue(list(outputs), start, async_requested(opts), finish)
+        outputs, start, finish = movement.gather(self.comm, output_tensors[0] if output_tensors else [],
+                                                 input_tensors[0], int(opts.rootRank))
+        return self._issue(outputs, start, async_requested(opts), finish)
 
     @counted("scatter")
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.ScatterOptions()
-        root = int(opts.rootRank)
-        out = Contiguous(output_tensors[0], copy_in=False)
-        chunks = None
-        if self.comm.rank == root:
-            self._check_count(input_tensors[0], "scatter list")
-            chunks = [np_bytes(Contiguous(t).work) for t in input_tensors[0]]
-
-        def start(async_op: bool) -> list[Any]:
-            return [self.comm.scatter(chunks, root, out=np_bytes(out.work), async_op=async_op)]
-
-        return self._issue([output_tensors[0]], start, async_requested(opts), out.back)
+        outputs, start, finish = movement.scatter(self.comm, output_tensors[0], input_tensors, int(opts.rootRank))
+        return self._issue(outputs, start, async_requested(opts), finish)
 
     @counted("all_to_all")
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> TcollWork:
         """Rows input[split j] go to rank j; rows from rank i land in output[split i] (even splits if empty)."""
         opts = opts if opts is not None else dist.AllToAllOptions()
-        size = self.comm.size
-        x, out = Contiguous(input).work, Contiguous(output, copy_in=False)
-        send, recv = as_bytes(x), as_bytes(out.work)
-        in_rows = row_bytes(x, input_split_sizes, size, "input")
-        out_rows = row_bytes(out.work, output_split_sizes, size, "output")
-        if len(set(in_rows)) == 1 and len(set(out_rows)) == 1 and in_rows[0] == out_rows[0]:
-            def start(async_op: bool) -> list[Any]:
-                blocks = (size, in_rows[0])
-                return [self.comm.all_to_all(send.view(blocks).numpy(), out=recv.view(blocks).numpy(),
-                                             async_op=async_op)]
-
-            return self._issue([output], start, async_requested(opts), out.back)
-        arrived: list[Any] = []
-        chunks = [c.numpy() for c in pieces(send, in_rows)]
-
-        def start_v(async_op: bool) -> list[Any]:
-            work = self.comm.all_to_allv(chunks, async_op=async_op)
-            arrived.append(work)
-            return [work]
-
-        def finish() -> None:
-            fill(pieces(recv, out_rows), result_of(arrived[0]))
-            out.back()
-
-        return self._issue([output], start_v, async_requested(opts), finish)
+        outputs, start, finish = movement.all_to_all_rows(self.comm, output, input, output_split_sizes,
+                                                          input_split_sizes)
+        return self._issue(outputs, start, async_requested(opts), finish)
 
     alltoall_base = all_to_all_single
 
@@ -513,18 +404,8 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> TcollWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        self._check_count(output_tensors, "all_to_all output list")
-        self._check_count(input_tensors, "all_to_all input list")
-        chunks = [np_bytes(Contiguous(t).work) for t in input_tensors]
-        arrived: list[Any] = []
-
-        def start(async_op: bool) -> list[Any]:
-            work = self.comm.all_to_allv(chunks, async_op=async_op)
-            arrived.append(work)
-            return [work]
-
-        return self._issue(list(output_tensors), start, async_requested(opts),
-                           lambda: fill(output_tensors, result_of(arrived[0])))
+        outputs, start, finish = movement.all_to_all(self.comm, output_tensors, input_tensors)
+        return self._issue(outputs, start, async_requested(opts), finish)
 
     @counted("barrier")
     def barrier(self, opts: Any = None) -> TcollWork:
@@ -592,7 +473,3 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def _shut_down(self) -> TcollError:
         return TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")
-
-    def _check_count(self, tensors: Sequence[torch.Tensor], what: str) -> None:
-        if len(tensors) != self.comm.size:
-            raise ValueError(f"{what} must hold {self.comm.size} tensors (one per rank), not {len(tensors)}")

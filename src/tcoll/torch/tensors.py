@@ -13,7 +13,7 @@ import torch
 
 from ..buffers import as_array
 
-__all__ = ["NATIVE", "Contiguous", "as_bytes", "fill", "finisher", "np_bytes", "typed",
+__all__ = ["NATIVE", "Contiguous", "as_bytes", "check_count", "fill", "finisher", "np_bytes", "typed",
            "np_view", "pieces", "reduce_source", "reduce_target", "row_bytes", "trunc_divide"]
 
 _U8 = torch.uint8
@@ -145,6 +145,16 @@ def fill(outputs: Sequence[torch.Tensor], parts: Sequence[Any]) -> None:
             holder = Contiguous(out, copy_in=False)
             as_bytes(holder.work).copy_(data.reshape(-1))
             holder.back()
+
+
+def check_count(tensors: Sequence[Any], size: int, what: str) -> None:
+    """Refuse a list that does not hold one tensor per rank.
+
+    Raises:
+        ValueError: naming `what` and both counts.
+    """
+    if len(tensors) != size:
+        raise ValueError(f"{what} must hold {size} tensors (one per rank), not {len(tensors)}")
 
 
 def row_bytes(t: torch.Tensor, splits: Sequence[int], size: int, what: str) -> list[int]:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any
 
-from ..errors import TimeoutError, TransportError
+from ...errors import TimeoutError, TransportError
 
 __all__ = ["connect_all", "open_listener", "tune_socket"]
 

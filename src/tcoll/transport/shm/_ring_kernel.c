@@ -3,7 +3,7 @@
  * A blocking send between two ranks of one host is, in the common case, a
  * 40-byte header and the payload written into the peer's ring and the ring's
  * head published; a blocking receive is the next header of our ring found to
- * be the one asked for and its payload copied out. tcoll.transport.shm's
+ * be the one asked for and its payload copied out. tcoll.transport.shm.channel's
  * ShmChannel does the same through the engine (a Work per message, matching
  * queues, the progress loop), about ten microseconds per round trip; this
  * kernel does only the common case, in one call, and reports anything else
@@ -11,7 +11,7 @@
  * it will not take) without touching the ring, so that Python goes the
  * ordinary way, which handles every case and every error.
  *
- * The ring layout and the header are tcoll.transport.shm's and
+ * The ring layout and the header are tcoll.transport.shm.rings' and
  * tcoll.p2p.channel.HEADER's ("<IIqQQQ": magic, ctx, tag, nbytes, stamp low,
  * stamp high). The caller holds the engine's lock. The stream positions live
  * only in the rings' control words (this rank is the only writer of its
@@ -26,8 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../_native/copy.h"
-#include "../_native/polling.h"
+#include "../../_native/copy.h"
+#include "../../_native/polling.h"
 
 #define HEADER_BYTES 40  /* tcoll.p2p.channel.HEADER.size and MAGIC: compared at import (check_ring_kernel) */
 #define MAGIC 0x7C011002u
@@ -252,7 +252,7 @@ static PyMethodDef Rings_methods[] = {
 
 static PyTypeObject RingsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tcoll.transport._ring_kernel.Rings",
+    .tp_name = "tcoll.transport.shm._ring_kernel.Rings",
     .tp_basicsize = sizeof(Rings),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The two rings between this rank and one peer, for the lean blocking send and receive.",
@@ -263,7 +263,7 @@ static PyTypeObject RingsType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "tcoll.transport._ring_kernel", "The lean blocking send and receive in C.", -1,
+    PyModuleDef_HEAD_INIT, "tcoll.transport.shm._ring_kernel", "The lean blocking send and receive in C.", -1,
     NULL, NULL, NULL, NULL, NULL,
 };
 
