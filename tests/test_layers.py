@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "tcoll"
 
 # Lowest first. A module may import its own package and any lower layer.
 LAYERS: list[set[str]] = [
-    {"errors", "env", "ops", "buffers"},
+    {"errors", "env", "ops", "buffers", "native"},
     {"segments"},
     {"store"},
     {"p2p"},

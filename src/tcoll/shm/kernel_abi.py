@@ -15,6 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..native import check_exports
 from ..ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
 
 try:  # the small reduction step in C (_arena_kernel.c), built with the package where a compiler is
@@ -42,16 +43,10 @@ def check_kernel(module: Any) -> None:
     Raises:
         ImportError: naming every constant that differs, and how to rebuild.
     """
-    if module is None:
-        return
     ops = sorted((code, op.name) for op, code in KERNEL_OPS.items() if op is not AVG)  # (avg runs as a sum)
     ours = {"SETS": SETS, "DESC_WORDS": DESC_WORDS, "OPS": tuple(name for _, name in ops),
             "DTYPES": tuple(dtype.name for dtype in sorted(KERNEL_DTYPES, key=KERNEL_DTYPES.__getitem__))}
-    differ = [f"{name} is {getattr(module, name, None)!r} in C but {value!r} in tcoll.shm.kernel_abi"
-              for name, value in ours.items() if getattr(module, name, None) != value]
-    if differ:
-        raise ImportError(f"{module.__name__} ({module.__file__}) does not match the Python code it serves: "
-                          f"{'; '.join(differ)}. Rebuild it (pip install ., or build_ext --inplace in a checkout)")
+    check_exports(module, ours, "tcoll.shm.kernel_abi", "the Python code it serves")
 
 
 check_kernel(kernel_module)

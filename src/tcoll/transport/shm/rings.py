@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ...native import check_exports
 from ...p2p.channel import HEADER, MAGIC
 
 try:  # the lean blocking send and receive in C (_ring_kernel.c), built with the package where a compiler is
@@ -42,14 +43,8 @@ def check_ring_kernel(module: Any) -> None:
     Raises:
         ImportError: naming every constant that differs.
     """
-    if module is None:
-        return
-    ours = {"MAGIC": MAGIC, "HEADER_BYTES": HEADER.size}
-    differ = [f"{name} is {getattr(module, name, None)!r} in C but {value!r} in tcoll.p2p.channel"
-              for name, value in ours.items() if getattr(module, name, None) != value]
-    if differ:
-        raise ImportError(f"{module.__name__} ({module.__file__}) does not match the wire format it writes: "
-                          f"{'; '.join(differ)}. Rebuild it (pip install ., or build_ext --inplace in a checkout)")
+    check_exports(module, {"MAGIC": MAGIC, "HEADER_BYTES": HEADER.size}, "tcoll.p2p.channel",
+                  "the wire format it writes")
 
 
 check_ring_kernel(ring_kernel)
