@@ -69,8 +69,14 @@ class Ring:
         self.size = size
 
     def release(self) -> None:
-        self.ctl.release()
-        self.mv.release()
+        """Let go of the ring's views. One still exported elsewhere for a moment (a frame the hang
+        reporter is sampling holds the locals of a call that used them) goes with its last user, as a
+        segment's mapping does (Segment.close)."""
+        for view in (self.ctl, self.mv):
+            try:
+                view.release()
+            except BufferError:
+                pass
         self.np = None  # type: ignore[assignment]  # drops its export of the mapping
 
 
