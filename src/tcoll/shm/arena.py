@@ -42,7 +42,7 @@ from .kernel_abi import DESC_WORDS, KERNEL_DTYPES, KERNEL_OPS, SETS, kernel_modu
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "combine_all", "reduce_into", "copy_bytes", "SETS", "ZERO_COPY_BYTES",
+__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "SETS", "ZERO_COPY_BYTES",
            "arena_bytes"]
 
 _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress per so many polls
@@ -52,56 +52,6 @@ _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a ful
 # The steps a run_split took, by the state it returned.
 _SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
                       if kernel_module is not None else {})
-
-
-def kernel_codes(arena: Any, dtype: np.dtype, op: Any) -> tuple[int, int] | None:
-    """The C kernel's codes of `dtype` and `op`, or None: the arena has no kernel, or it does not take them."""
-    if arena.kernel is None:
-        return None
-    dtype_code, op_code = KERNEL_DTYPES.get(dtype), KERNEL_OPS.get(op)
-    return None if dtype_code is None or op_code is None else (dtype_code, op_code)
-
-
-def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -> None:
-    """op.combine_all(parts, out) of a direct algorithm: in C where the arena has the kernel and it takes
-    the dtype and op (the same results as NumPy's, bit for bit), else NumPy's."""
-    codes = kernel_codes(arena, out.dtype, op) if len(parts) > 1 else None
-    if codes is None:
-        op.combine_all(parts, out)
-        return
-    combine, (dtype, code) = kernel_module.combine, codes
-    combine(dtype, code, out, parts[0], parts[1])
-    for part in parts[2:]:
-        combine(dtype, code, out, out, part)
-
-
-def reduce_into(arena: Any, op: Any, parts: list[np.ndarray], outs: list[np.ndarray]) -> None:
-    """outs[0] = parts[0] op parts[1] op ... in rank order, then copied into outs[1] if given.
-
-    In C (kernel_module.reduce_into) where the arena has the kernel and it takes the dtype and op, else
-    NumPy's. outs[0] (a rank's part of its slot) must not overlap a part; outs[1] may be one of them (the
-    rank's own part of its buffer, read in place and overwritten with the result once all were read).
-
-    Args:
-        arena: the arena (its kernel, if any).
-        op: the reduction.
-        parts: equal-length typed inputs, in rank order (at least two).
-        outs: one or two equal-length typed outputs.
-    """
-    codes = kernel_codes(arena, outs[0].dtype, op)
-    if codes is None or not kernel_module.reduce_into(*codes, tuple(parts), tuple(outs)):
-        op.combine_all(parts, outs[0])
-        if len(outs) == 2:
-            outs[1][...] = outs[0]
-
-
-def copy_bytes(arena: Any, dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src for byte views of one length: with the kernel's own copy where the arena has it (NumPy's
-    goes through glibc's memcpy, whose speed depends on the two addresses on some CPUs: _native/copy.h)."""
-    if arena.kernel is not None:
-        kernel_module.copy(dst, src)
-    else:
-        dst[...] = src
 
 
 class Arena:

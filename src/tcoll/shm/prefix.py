@@ -15,7 +15,8 @@ import numpy as np
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..ops import Op
-from .arena import Arena, combine_all, copy_bytes
+from .arena import Arena
+from .bridge import combine_all, copy_bytes
 
 __all__: list[str] = []
 

@@ -29,8 +29,8 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import OPS, Op
-from .arena import (KERNEL_DTYPES, KERNEL_OPS, Arena, combine_all, copy_bytes, kernel_codes, kernel_module,
-                    reduce_into)
+from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, kernel_module
+from .bridge import combine_all, copy_bytes, kernel_codes, reduce_into
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
