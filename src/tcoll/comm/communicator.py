@@ -25,6 +25,10 @@ from .dispatch import Dispatcher
 __all__ = ["Communicator", "MAX_TAG"]
 
 _LEAVE_TIMEOUT = 10.0  # seconds the store's host waits at close for the others to let go of it
+# Seconds a rank whose last call only sent waits at close for its peers to close (what shows a disagreement
+# may be on its way). Short: two such ranks (the senders of a gather) wait for each other, each closing only
+# once its own wait ends, so every exit after such a call costs this much on them.
+_LINGER = 1.0
 
 
 class Communicator:
@@ -297,7 +301,7 @@ class Communicator:
         A disagreement that showed only after the last call it concerns (a late
         message, another rank's notice) is raised here, once all is released. A
         rank whose last call only sent (the root of a point-to-point broadcast)
-        first waits until its peers have closed too (at most 10 s, or the
+        first waits until its peers have closed too (at most 1 s, or the
         timeout if shorter), so that what they sent on that call is in.
 
         Args:
@@ -313,7 +317,7 @@ class Communicator:
                 return
             core.closed = True
         # A sub-communicator's arena goes with it, not with the world.
-        wait = min(self.timeout, _LEAVE_TIMEOUT) if self._parent is None and linger else 0.0
+        wait = min(self.timeout, _LINGER) if self._parent is None and linger else 0.0
         found = core.dispatch.close(wait)
         if self._parent is None:
             core.engine.close()
