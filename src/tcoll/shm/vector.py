@@ -96,14 +96,14 @@ def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
 def all_reduce(arena: Arena, buf: np.ndarray, op: Op) -> None:
     """Shared-memory all_reduce: copy in, each rank reduces its 1/p of every slot, copy out.
 
-    Steps: up to 128 KiB (on 2 ranks, up to 16 KiB), one step in which
-    every rank reduces all slots itself; up to a slot, three steps (write,
-    publish; reduce this rank's 1/p of every slot and copy it over its own
-    part of its slot, publish; copy the other parts out, publish); larger,
-    per slot-sized piece: write the piece, publish; reduce this rank's 1/p
-    of it over all slots into this rank's slot of the next step, publish;
-    copy every rank's part out. Memory traffic per rank: n bytes in, n bytes
-    reduced from p inputs / p, n bytes out. Operands in rank order.
+    Steps: up to the one-step limit (one_step_limit: by rank count), one step in
+    which every rank reduces all slots itself; up to a slot, three steps (write
+    all but this rank's own 1/p, publish; reduce its 1/p over every rank's input,
+    its own read in place, into its own part of its slot and of its buffer,
+    publish; copy the other parts out, publish); larger, the same per slot-sized
+    piece, the result in this rank's slot of the next step. Memory traffic per
+    rank: (p-1)/p n bytes in, n reduced from p inputs / p, n/p written twice,
+    (p-1)/p n bytes out. Operands in rank order.
     """
     if 1 < arena.size and one_step(buf.nbytes, arena):
         _reduce_small(arena, buf, op, None)  # the common small call, one Python call sooner
