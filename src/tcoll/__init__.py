@@ -19,8 +19,8 @@ from .api import (all_to_all_object, exscan, exscan_object, iprobe, irecv_object
 from .comm.communicator import Communicator
 from .comm.pairs import ANY_SOURCE, ANY_TAG, Status
 from .comm.plans import Plan
-from .errors import (MessageSizeError, MismatchError, PeerFailedError, PeerLostError, RendezvousError, SpawnError,
-                     TcollError, TimeoutError, TransportError)
+from .errors import (MessageSizeError, MismatchError, PeerFailedError, PeerLostError, RendezvousError,
+                     RevokedError, SpawnError, TcollError, TimeoutError, TransportError)
 from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MAXLOC, MIN, MINLOC, PROD, SUM, Op, loc_pairs
 from .p2p.work import Work, test_some, wait_all, wait_any
 from .startup.init import default_communicator, init
@@ -33,7 +33,7 @@ __all__ = [
     "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC",
     "loc_pairs", "algorithms", "explain", "init", "spawn", "default_communicator",
     "TcollError", "RendezvousError", "TimeoutError", "PeerLostError", "PeerFailedError", "MessageSizeError",
-    "MismatchError", "TransportError", "SpawnError", "__version__",
+    "MismatchError", "TransportError", "SpawnError", "RevokedError", "__version__",
     "send", "recv", "isend", "irecv",
     "all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all",
     "barrier", "all_gatherv", "gatherv", "scatterv", "all_to_allv", "reduce_scatterv",

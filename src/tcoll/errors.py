@@ -21,6 +21,7 @@ __all__ = [
     "PeerFailedError",
     "TransportError",
     "SpawnError",
+    "RevokedError",
 ]
 
 
@@ -121,6 +122,22 @@ class PeerFailedError(TcollError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.args[0], self.rank, self.cause)
+
+
+class RevokedError(TcollError):
+    """The communicator was revoked (`comm.revoke()`, on this rank or another): only failed, agree, shrink and
+    close still work on it.
+
+    Attributes:
+        rank: the rank (of the communicator) that revoked it first, as far as this rank knows (-1: unknown).
+    """
+
+    def __init__(self, message: str, rank: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.rank)
 
 
 class TransportError(TcollError):

@@ -107,6 +107,11 @@ class Agreement:
         self._causes: deque[int] = deque(maxlen=256)  # the calls whose trouble was raised here already
         self._answers: dict[int, dict[int, tuple[bytes, int]]] = {}  # call asked about -> rank -> (where, last)
         self._failing: dict[int, Running] = {}  # recent calls failed here: a notice that comes later explains them
+        # Notices of the communicator's own (revoke, agree), whose first byte is one of control_kinds: they
+        # are handed to on_control(rank, payload) as they come (set by tcoll.comm.survival).
+        self.control_kinds: frozenset[bytes] = frozenset()
+        self.on_control: Callable[[int, bytes], None] = lambda rank, payload: None
+        self.on_lost: Callable[[int], None] = lambda world_rank: None  # another rank told of a lost one
         engine.watch(ctx, self.watch)
 
     # -- a call's life ---------------------------------------------------------------
@@ -321,6 +326,9 @@ class Agreement:
     def _alarm(self, kind: str, peer_world: int, tag: int, theirs: int, payload: bytes) -> None:
         peer = self._ranks.get(peer_world, peer_world)
         block = tag >> BLOCK_BITS
+        if kind == "notice" and payload[:1] in self.control_kinds:  # revoke, agree (tcoll.comm.survival)
+            self.on_control(peer, payload)
+            return
         if kind == "notice" and payload[:1] in (_ASK, _ANSWER):
             self._query(peer_world, block, payload)
             return
@@ -372,6 +380,8 @@ class Agreement:
             text = payload[1 + _CAUSE.size:].decode(errors="replace")
             error = self._told_error(payload[:1], where, peer, text, mine, theirs)
             error.tcoll_cause = cause  # type: ignore[attr-defined]
+            if isinstance(error, PeerLostError) and error.rank >= 0:
+                self.on_lost(error.rank)  # it is gone for this rank too, seen or not (failed() names it)
             return error
         if kind == "late" or running is None:  # (a call that finished before its alarm ran: as late)
             late = MismatchError(f"{where} finished on rank {self.rank}, but rank {peer} made another call at "
@@ -410,6 +420,15 @@ class Agreement:
         else:
             text = disagreement(peer, theirs, self.rank, running.stamp)
         return MismatchError(f"{where}: {text}", ranks=[peer], mine=running.stamp, theirs=theirs)
+
+    def stop_all(self, error: BaseException) -> None:
+        """End every call under way here with `error` (the communicator was revoked)."""
+        for running in list(self.watch.calls.values()):
+            self._stop(running, error)
+
+    def send_control(self, peer_world: int, body: bytes) -> None:
+        """Send world rank `peer_world` one of the communicator's own notices (see control_kinds); not waited for."""
+        self._send(peer_world, 0, 0, body)
 
     def _stop(self, running: Running, error: BaseException) -> None:
         """End a call under way with `error`: abort its team step, or have the arena's waits raise it."""

@@ -17,7 +17,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, uneven
+from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, survival, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .core import CommCore
 from .dispatch import Dispatcher
@@ -103,6 +103,11 @@ class Communicator:
     scatter_object_init = plans.initializer(objects.scatter_object)
     scan_init = plans.initializer(prefix.scan)
     exscan_init = plans.initializer(prefix.exscan)
+    # Going on without a dead rank (tcoll.comm.survival, after MPI's ULFM).
+    failed = survival.failed
+    revoke = survival.revoke
+    agree = survival.agree
+    shrink = survival.shrink
     split = groups.split
     group = groups.group
     dup = groups.dup
@@ -112,18 +117,21 @@ class Communicator:
     hosts = property(groups.hosts)
 
     def __init__(self, engine: Engine, transports: list[Transport], run_id: str, *,
-                 world_ranks: list[int] | None = None, context: int = 0, parent: Communicator | None = None) -> None:
+                 world_ranks: list[int] | None = None, context: int = 0, parent: Communicator | None = None,
+                 replaces: bool = False) -> None:
         world = list(range(engine.size)) if world_ranks is None else world_ranks
         self.run_id = run_id
         self.rank = world.index(engine.rank)
         self.size = len(world)
         self._store: Any = None
         self._parent = parent
+        self._replaces = replaces  # made by shrink: closing it closes the parent, which it replaced
         # Every communicator has its own context: its point-to-point messages
         # travel in engine context 2c and its collectives in 2c + 1, so no
         # message of one communicator can match a receive of another.
         dispatch = Dispatcher(engine, world, 2 * context + 1, run_id, engine.settings.timeout)
         self.core = CommCore(engine, dispatch, world, 2 * context, transports)
+        self.core.survival = survival.Survival(self.core)
         self._close_lock = threading.Lock()
 
     @property
@@ -204,7 +212,7 @@ class Communicator:
         """
         core = self.core
         if (type(dst) is int and type(tag) is int and 0 <= dst < self.size and 0 <= tag <= MAX_TAG
-                and not core.closed):
+                and core.usable):
             engine, peer, ctx = core.engine, core.world[dst], core.p2p_ctx
             # a buffer that exports its memory goes as it is; a tensor or bfloat16 array as a view of its memory
             if engine.send_now(buf, peer, ctx, tag) or (engine.lean[peer] is not None
@@ -223,7 +231,7 @@ class Communicator:
         """
         core = self.core
         if (type(src) is int and type(tag) is int and 0 <= src < self.size and 0 <= tag <= MAX_TAG
-                and not core.closed):
+                and core.usable):
             engine, peer, ctx = core.engine, core.world[src], core.p2p_ctx
             # the kernel refuses a tensor before it polls; it then takes a view of the tensor's memory
             if engine.recv_now(buf, peer, ctx, tag) or (engine.lean[peer] is not None
@@ -296,7 +304,8 @@ class Communicator:
 
         Not collective: each rank closes its own side. Idempotent. Closing a
         sub-communicator (from split, group or dup) only marks it closed:
-        its channels belong to the world it came from.
+        its channels belong to the world it came from. Closing the communicator
+        that shrink() made closes the one it replaced too (the world's: all).
 
         A disagreement that showed only after the last call it concerns (a late
         message, another rank's notice) is raised here, once all is released. A
@@ -316,6 +325,7 @@ class Communicator:
             if core.closed:
                 return
             core.closed = True
+            core.usable = False
         # A sub-communicator's arena goes with it, not with the world.
         wait = min(self.timeout, _LINGER) if self._parent is None and linger else 0.0
         found = core.dispatch.close(wait)
@@ -327,6 +337,8 @@ class Communicator:
                 self._leave_store()
                 self._store.close()
             _forget(self)
+        if self._replaces and self._parent is not None:
+            self._parent.close(linger=False)
         if found is not None and linger:
             raise found
 

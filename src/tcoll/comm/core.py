@@ -12,9 +12,9 @@ changes afterwards.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..errors import TcollError
+from ..errors import RevokedError, TcollError
 
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
@@ -35,9 +35,12 @@ class CommCore:
             collectives use p2p_ctx + 1, inside the dispatcher).
         transports: the channels' transports (the world's; a sub-communicator shares them).
         closed: whether this communicator's close() has begun.
+        revoked: the error its calls raise since it was revoked (tcoll.comm.survival), or None.
+        usable: neither closed nor revoked (one test on the fast paths).
+        survival: its view of dead ranks, revocation and agreements (a tcoll.comm.survival.Survival).
     """
 
-    __slots__ = ("engine", "dispatch", "world", "p2p_ctx", "transports", "closed")
+    __slots__ = ("engine", "dispatch", "world", "p2p_ctx", "transports", "closed", "revoked", "usable", "survival")
 
     def __init__(self, engine: Engine, dispatch: Dispatcher, world: list[int], p2p_ctx: int,
                  transports: list[Transport]) -> None:
@@ -47,12 +50,20 @@ class CommCore:
         self.p2p_ctx = p2p_ctx
         self.transports = transports
         self.closed = False
+        self.revoked: RevokedError | None = None
+        self.usable = True
+        self.survival: Any = None
 
-    def check_open(self) -> None:
-        """Raise unless the communicator is open.
+    def check_open(self, revoked_ok: bool = False) -> None:
+        """Raise unless the communicator is open (and, unless `revoked_ok`, not revoked).
 
         Raises:
             TcollError: close() was called.
+            tcoll.RevokedError: the communicator was revoked.
         """
+        if self.usable:
+            return
         if self.closed:
             raise TcollError("the communicator is closed")
+        if self.revoked is not None and not revoked_ok:
+            raise RevokedError(str(self.revoked), self.revoked.rank)

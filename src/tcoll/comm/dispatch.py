@@ -33,7 +33,7 @@ from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gat
                      reduce, reduce_scatter, scan, scatter)
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
-from ..errors import MismatchError, TcollError, TransportError
+from ..errors import MismatchError, RevokedError, TcollError, TransportError
 from ..ops import OPS
 from ..p2p import timeline
 from ..p2p.engine import Engine
@@ -86,6 +86,7 @@ class Dispatcher:
                                                         self.chooser.direct_capable)
         self.agreement = Agreement(engine, world, ctx, self._arena_alarm, self._arena_stale)
         self.closed = False
+        self.revoked: RevokedError | None = None  # set with closed by revoke (tcoll.comm.survival)
         self.capturing = False  # a plan is being made: run() hands back the call instead of running it
         self.lean: dict[Any, Any] = {}  # the lean path's prepared calls (tcoll.comm.plans.lean_call)
         self.current: tuple[int, Prepared] | None = None  # the last call run through _run_prepared
@@ -113,7 +114,7 @@ class Dispatcher:
     def run_prepared(self, prepared: Prepared) -> Any:
         """Run a prepared call once more: a new sequence number, the same checks across ranks, no new choice."""
         if self.closed or self.engine.closed:
-            raise TcollError("the communicator is closed")
+            raise self._closed_error()
         self.sequence += 1  # _next(), inline
         return self._run_numbered(self.sequence, prepared.call, prepared, prepared.async_op)
 
@@ -372,7 +373,7 @@ class Dispatcher:
 
     def _next(self) -> int:
         if self.closed or self.engine.closed:
-            raise TcollError("the communicator is closed")
+            raise self._closed_error()
         self.sequence += 1
         return self.sequence
 
@@ -455,6 +456,11 @@ class Dispatcher:
         self.start(barrier_team, description, lookup("barrier", "dissemination").run(barrier_team), False,
                    step_of=running)
         running.work = None
+
+    def _closed_error(self) -> TcollError:
+        if self.revoked is not None and not self.engine.closed:
+            return RevokedError(str(self.revoked), self.revoked.rank)
+        return TcollError("the communicator is closed")
 
     def close(self, linger: float = 0.0) -> BaseException | None:
         """Release the arena (a sub-communicator's goes with it, not with the world), stop watching.

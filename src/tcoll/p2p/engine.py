@@ -42,7 +42,6 @@ _POLL_NAP = 50e-6  # seconds a waiter with MPI channels sleeps between polls onc
 _LEAN_SPIN_S = 20e-6
 
 
-
 class Engine:
     """Point-to-point messaging for one rank.
 
@@ -122,6 +121,12 @@ class Engine:
     def is_lost(self, peer: int) -> bool:
         """Whether `peer` is known to be gone."""
         return peer in self._lost
+
+    def withdraw(self, ctx: int, error: BaseException) -> None:
+        """Fail with `error` every receive posted in context `ctx` that no message has matched yet."""
+        with self.lock:
+            self._fail_all(self.matcher.withdraw(ctx), error)
+            self._wake_own()
 
     def cancel(self, work: RecvWork) -> bool:
         """Withdraw a posted receive that no message has matched yet (see Matcher.cancel)."""
@@ -305,16 +310,11 @@ class Engine:
         finally:
             self.in_progress -= 1
         if self.in_progress == 0:
-            if self.deferred:
-                self._run_deferred()
+            while self.deferred:
+                self.deferred.pop(0)._run_callbacks()
             if self.matcher.alarms:
                 self.matcher.run_alarms()
         return moved
-
-    def _run_deferred(self) -> None:
-        while self.deferred:
-            work = self.deferred.pop(0)
-            work._run_callbacks()
 
     def _progress_channels(self) -> bool:
         moved = False

@@ -160,6 +160,16 @@ class Matcher:
         else:
             self.watches[ctx] = watch
 
+    def withdraw(self, ctx: int) -> list[RecvWork]:
+        """Take out every receive posted in context `ctx` that no message has matched yet, to fail them."""
+        works = [w for key in [k for k in self.posted if k[1] == ctx] for w in self.posted.pop(key)]
+        for work in works:
+            self.posted_from[work.peer] -= 1
+        for work in list(self.wild.get(ctx, ())):
+            self._unwild(work)
+            works.append(work)
+        return works
+
     def take(self, peer: int | None) -> list[RecvWork]:
         """Take out every receive and kept message of `peer` (None: of every peer), to fail them."""
         if peer is None:

@@ -33,7 +33,7 @@ _GRACE = 3.0
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, threads: bool = False,
           timeout: float | None = None, start_method: str | None = None,
-          env: dict[str, str] | None = None, **init_kwargs: Any) -> list[Any]:
+          env: dict[str, str] | None = None, keep_going: bool = False, **init_kwargs: Any) -> list[Any]:
     """Run ``fn(comm, *args)`` on `nprocs` ranks and return their results in rank order.
 
     Args:
@@ -48,6 +48,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
         start_method: multiprocessing start method (default: forkserver where
             available, with numpy and tcoll preloaded, else spawn).
         env: environment variables to set in each rank process.
+        keep_going: when a rank fails (an exception, or its process dies), let the others run to their
+            own end instead of stopping them (as `tcoll run --keep-going`): survivors that shrink()
+            their communicator go on without it. A failure is still raised once all have ended.
         **init_kwargs: passed to `tcoll.init` in each rank (transport, shm_chunk, ...).
 
     Returns:
@@ -57,7 +60,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
         SpawnError: a rank raised, exited early or was killed; its exception
             is chained as __cause__ when it could be pickled back. When one
             rank fails, the PeerLostErrors of the ranks that waited on it are
-            not reported in its place.
+            not reported in its place. With keep_going, raised after every
+            rank ended; its `results` are the ranks' return values (None for
+            a failed rank) and its `failures` map each failed rank to what happened.
         tcoll.TimeoutError: the run took longer than `timeout`; every rank is
             stopped first (threads: their communicators are closed).
         TypeError, ValueError: fn does not pickle (processes, no cloudpickle),
@@ -69,8 +74,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
     if timeout is not None:
         init_kwargs["timeout"] = timeout
     if threads:
-        return _spawn_threads(fn, nprocs, tuple(args), timeout, init_kwargs)
-    return _spawn_processes(fn, nprocs, tuple(args), timeout, start_method, env or {}, init_kwargs)
+        return _spawn_threads(fn, nprocs, tuple(args), timeout, init_kwargs, keep_going)
+    return _spawn_processes(fn, nprocs, tuple(args), timeout, start_method, env or {}, init_kwargs, keep_going)
 
 
 def _check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
@@ -99,7 +104,7 @@ def _check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
 
 
 def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
-                   init_kwargs: dict[str, Any]) -> list[Any]:
+                   init_kwargs: dict[str, Any], keep_going: bool) -> list[Any]:
     from ..store.memory import MemoryStore
     from .init import init
 
@@ -147,8 +152,18 @@ def _spawn_threads(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], t
         rank = _first_cause(errors)
         error = errors[rank]
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        raise SpawnError(rank, _describe_error(error), text) from error
+        failure = SpawnError(rank, _describe_error(error), text)
+        if keep_going:
+            _kept(failure, results, {r: _describe_error(e) for r, e in errors.items()})
+        raise failure from error
     return results
+
+
+def _kept(error: SpawnError, results: list[Any], failures: dict[int, str]) -> SpawnError:
+    """Attach what every rank of a keep_going run ended with to the error it raises."""
+    error.results = [None if rank in failures else value for rank, value in enumerate(results)]  # type: ignore[attr-defined]
+    error.failures = dict(sorted(failures.items()))  # type: ignore[attr-defined]
+    return error
 
 
 def _first_cause(errors: dict[int, BaseException]) -> int:
@@ -175,7 +190,8 @@ def _merge_timeline(env: dict[str, str]) -> None:
 
 
 def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float | None,
-                     start_method: str | None, env: dict[str, str], init_kwargs: dict[str, Any]) -> list[Any]:
+                     start_method: str | None, env: dict[str, str], init_kwargs: dict[str, Any],
+                     keep_going: bool) -> list[Any]:
     from ..store.tcp import TCPStoreServer
 
     payload = _pickle_function(fn)  # first: a TypeError here must leave nothing running
@@ -198,7 +214,7 @@ def _spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...],
             child_end.close()
             procs.append(proc)
             pipes.append(parent_end)
-        return _collect(procs, pipes, timeout)
+        return _collect(procs, pipes, timeout, keep_going)
     finally:
         _stop(procs)
         for pipe in pipes:
@@ -273,8 +289,10 @@ def _process_main(payload: bytes, args: tuple[Any, ...], env: dict[str, str], in
     pipe.close()
 
 
-def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -> list[Any]:
+def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None, keep_going: bool = False) -> list[Any]:
     """Wait for every rank's reply; on the first failure raise it (the caller stops the rest).
+
+    With keep_going, every rank's reply is awaited, and the first cause is raised after the last one.
 
     A rank that dies without replying (killed, os._exit) is a failure as soon as
     either its pipe closes or its sentinel fires, whichever is seen first. A
@@ -285,6 +303,7 @@ def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -
     from ..errors import PeerLostError
 
     results: list[Any] = [None] * len(procs)
+    failed: dict[int, tuple[BaseException | None, str, str]] = {}  # keep_going: rank -> (error, traceback, how)
     pending = set(range(len(procs)))
     owner: dict[Any, int] = {}
     for rank, (proc, pipe) in enumerate(zip(procs, pipes)):
@@ -314,6 +333,8 @@ def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -
             status, value, text = reply
             if status == "ok":
                 results[rank] = value
+            elif keep_going:
+                failed[rank] = (value, text if status == "error" else "", text)
             elif status == "died":
                 raise SpawnError(rank, text)
             elif isinstance(value, PeerLostError):
@@ -323,7 +344,24 @@ def _collect(procs: list[Any], pipes: list[Connection], timeout: float | None) -
                 _raise_failure(rank, value, text)
     if echo is not None:
         _raise_failure(*echo)
+    if failed:
+        _raise_kept(failed, results)
     return results
+
+
+def _raise_kept(failed: dict[int, tuple[BaseException | None, str, str]], results: list[Any]) -> None:
+    """Raise the first cause among the failures of a keep_going run, with every rank's outcome attached."""
+    from ..errors import PeerLostError
+
+    causes = [r for r, (value, _, _) in failed.items() if not isinstance(value, PeerLostError)]
+    rank = min(causes or failed)
+    value, text, how = failed[rank]
+    said = {r: (_describe_error(v) if v is not None else (h.strip().splitlines() or ["failed"])[-1])
+            for r, (v, _, h) in failed.items()}
+    error = _kept(SpawnError(rank, said[rank], text), results, said)
+    if value is not None:
+        raise error from value
+    raise error
 
 
 def _reply(proc: Any, pipe: Connection, pipe_ready: bool) -> tuple[str, Any, str] | None:

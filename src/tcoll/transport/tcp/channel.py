@@ -34,6 +34,7 @@ _SCRATCH = 64 << 10  # discard buffer for payloads that did not fit their receiv
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never SIGPIPE
 _IN = select.EPOLLIN | select.EPOLLRDHUP
 _OUT = select.EPOLLOUT
+_HUNG_UP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR  # the peer closed, or the link failed
 
 
 class TcpChannel(Channel):
@@ -115,12 +116,20 @@ class TcpChannel(Channel):
         return works
 
     def check_alive(self) -> None:
-        """Raise PeerLostError if the kernel reports the connection failed (e.g. keep-alive timed out)."""
+        """Raise PeerLostError if the kernel reports the connection failed (e.g. keep-alive timed out) or closed.
+
+        A close is seen even while unread bytes are ahead of it (a message waiting for its receive
+        stops the reads): the kernel flags the peer's end of stream on the socket at once (POLLRDHUP).
+        """
         if self.closed:
             return
         code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code:
             raise PeerLostError(self.peer, f"connection failed: {os.strerror(code)}")
+        poller = select.poll()
+        poller.register(self.fd, _HUNG_UP)
+        if poller.poll(0):
+            raise PeerLostError(self.peer, "connection closed")
 
     def round_trip(self) -> float:
         """The kernel's smoothed round-trip time of this connection, in seconds (0.0 if unknown)."""
