@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,13 +33,19 @@ def _start(tmp_path: Path, body: str, ranks: int, run_id: str, **extra: str) -> 
                             stderr=subprocess.PIPE, text=True)
 
 
-def _until_verdict(proc: subprocess.Popen[str]) -> str:
-    """The launcher's stderr up to and including the first verdict line (pytest-timeout bounds it)."""
-    lines = []
+def _until_verdict(proc: subprocess.Popen[str], containing: str = "") -> str:
+    """The launcher's stderr up to the first verdict line that holds `containing` (pytest-timeout bounds it).
+
+    Returns:
+        That report: its lines from the header to the verdict.
+    """
+    lines: list[str] = []
     assert proc.stderr is not None
     for line in proc.stderr:
+        if line.startswith("tcoll: hang report"):
+            lines = []
         lines.append(line)
-        if line.startswith("verdict:"):
+        if line.startswith("verdict:") and containing in line:
             return "".join(lines)
     pytest.fail("the launcher ended without a report:\n" + "".join(lines))
 
@@ -152,6 +159,81 @@ def test_sigusr1_reports_and_the_job_goes_on(tmp_path: Path) -> None:
             _stop(proc)
     assert proc.returncode == 0, err
     assert "sum 2.0" in out
+
+
+ANOTHER_CALL = """
+    import numpy as np, tcoll
+    comm = tcoll.init()
+    pair = comm.split(color=int(comm.rank >= 2))
+    x = np.ones(4)
+    for i in range(5):
+        if comm.rank == 2 and i == 3:
+            pair.barrier()
+        comm.all_reduce(x)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_in_another_collective_is_a_deadlock_across_calls(tmp_path: Path) -> None:
+    # Rank 2 enters a barrier of the sub-communicator {2, 3} that rank 3 never calls, while ranks 0, 1 and 3 wait
+    # for it in the world's all_reduce #5 (the split is #1): no fingerprint can tell, and the timeout is long.
+    run_id = f"hangother{os.getpid()}"
+    proc = _start(tmp_path, ANOTHER_CALL, 4, run_id, TCOLL_HANG_REPORT="3", TCOLL_TIMEOUT="120")
+    try:
+        text = _until_verdict(proc)
+        assert ("verdict: a deadlock across calls: rank 2 in barrier #1 among ranks 2 and 3 (job.py:7) waits for "
+                "rank 3, which is in all_reduce #5 (job.py:8) and waits for rank 2; ranks 0 and 1 wait for them in "
+                "all_reduce #5") in text, text
+        row = next(line for line in text.splitlines() if line.strip().startswith("2 "))
+        assert "barrier #1 among ranks 2 and 3" in row and "job.py:7 (pair.barrier())" in row, text
+        seen = _status(run_id)
+        assert "a deadlock across calls: rank 2 in barrier #1 among ranks 2 and 3 (job.py:7)" in seen, seen
+    finally:
+        _stop(proc)
+
+
+STOPPED = """
+    import time, numpy as np, tcoll
+    comm = tcoll.init()
+    x = np.ones(4)
+    for i in range(5):
+        if comm.rank == 2 and i == 3:
+            time.sleep(300)
+        comm.all_reduce(x)
+"""
+
+
+def _published(run_id: str, test: Any) -> dict[int, dict[str, Any]]:
+    """The job's published states, by rank, once `test` holds for them (pytest-timeout bounds the wait)."""
+    directory = status.job_dir(run_id)
+    while True:
+        states = {s["rank"]: s for s in status.read_job(directory)}
+        if test(states):
+            return states
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_rank_is_named_as_stopped_with_its_last_line(tmp_path: Path) -> None:
+    # Rank 2 is stopped (SIGSTOP, as a debugger does) while it sleeps at line 6: its sampler stops with it, so its
+    # published row is the last it wrote; the report tells from /proc that the process is stopped.
+    run_id = f"hangstop{os.getpid()}"
+    proc = _start(tmp_path, STOPPED, 4, run_id, TCOLL_HANG_REPORT="3")
+    try:
+        states = _published(run_id, lambda s: len(s) == 4 and s[2]["where"] == "job.py:6" and all(
+            (s[r].get("waiting") or {}).get("peers") == [2] for r in (0, 1, 3)))
+        os.kill(states[2]["pid"], signal.SIGSTOP)
+        text = _until_verdict(proc, "stopped")
+        verdict_line = text.splitlines()[-1]
+        assert verdict_line.startswith("verdict: rank 2 is stopped"), text
+        assert "last seen at job.py:6 (time.sleep(300))" in verdict_line, text
+        assert "ranks 0, 1 and 3 wait for it in all_reduce #4" in verdict_line, text
+        row = next(line for line in text.splitlines() if line.strip().startswith("2 "))
+        assert "[stopped]" in row, text
+        seen = _status(run_id)
+        assert "rank 2 is stopped" in seen and "job.py:6" in seen, seen
+    finally:
+        _stop(proc)
 
 
 # -- the verdict's rules, on published states ---------------------------------------------------

@@ -44,7 +44,8 @@ class Rank:
         self.label = ""
         if under_way:
             call = under_way[0]["call"]
-            self.label = f"{call['label']} #{call['sequence']}"
+            members = under_way[0].get("members")  # a split's call: say among whom
+            self.label = f"{call['label']} #{call['sequence']}" + (f" among {_ranks(members)}" if members else "")
             how = [part for part in (call.get("algorithm"), _bytes(call.get("bytes"))) if part]
             self.call = self.label + (f" ({', '.join(how)})" if how else "")
         elif noted:
@@ -127,6 +128,18 @@ def _cycle(rows: dict[int, Rank]) -> list[int]:
     return []
 
 
+def _chain(rows: dict[int, Rank], cycle: list[int]) -> str:
+    """A cycle of ranks in different calls in words: "rank 2 in barrier #1 (job.py:7) waits for rank 3, which is in
+    all_reduce #5 (job.py:8) and waits for rank 2"."""
+    words = []
+    for k, rank in enumerate(cycle):
+        row, then = rows[rank], cycle[(k + 1) % len(cycle)]
+        where = row.state.get("where", "?")
+        words.append(f"rank {rank} in {row.label} ({where}) waits for rank {then}" if k == 0 else
+                     f", which is in {row.label} ({where}) and waits for rank {then}")
+    return "".join(words)
+
+
 def verdict(rows: dict[int, Rank], size: int) -> str:
     """The culprit in words (see the module docstring)."""
     waited_on = sorted({peer for row in rows.values() for peer in row.peers})
@@ -142,18 +155,26 @@ def verdict(rows: dict[int, Rank], size: int) -> str:
             continue
         calls = sorted({rows[w].label for w in waiters if rows[w].label})
         tail = f"; {_ranks(waiters)} wait for it" + (f" in {' and '.join(calls)}" if calls else "") if waiters else ""
-        if row.stopped:
-            return f"rank {row.rank} is stopped (SIGSTOP or a debugger) at {row.at}{tail}"
+        if row.stopped:  # its sampler is stopped too: its row is the last it wrote
+            inside = f" in {row.label}" if row.label else ""
+            return f"rank {row.rank} is stopped (SIGSTOP or a debugger: it does not answer), " \
+                   f"last seen{inside} at {row.at}{tail}"
         if row.idle:
             return f"rank {row.rank} has made {row.idle}, and is at {row.at}{tail}"
         return f"rank {row.rank} is in {row.call} at {row.at}{tail}"
     cycle = _cycle(rows)
     if cycle:
+        waiters = sorted({w for r in cycle for w in _waiting_on(rows, r)} - set(cycle))
+        calls = sorted({rows[w].label for w in waiters if rows[w].label})
+        tail = f"; {_ranks(waiters)} wait for them" + (f" in {' and '.join(calls)}" if calls else "") \
+            if waiters else ""
         if len(cycle) == 2 and all(rows[r].recv for r in cycle):
             tags = sorted({rows[r].detail for r in cycle if rows[r].detail})
-            return f"{_ranks(cycle)} each wait to receive from the other ({', '.join(tags)}): a deadlock"
+            return f"{_ranks(cycle)} each wait to receive from the other ({', '.join(tags)}): a deadlock{tail}"
+        if len({rows[r].label for r in cycle}) > 1:
+            return f"a deadlock across calls: {_chain(rows, cycle)}{tail}"
         chain = " -> ".join(str(r) for r in [*cycle, cycle[0]])
-        return f"{_ranks(cycle)} wait for each other ({chain}): a deadlock"
+        return f"{_ranks(cycle)} wait for each other ({chain}): a deadlock{tail}"
     if any(row.call for row in rows.values()):
         return "no rank waits for a rank that is not itself waiting: the ranks may still be moving"
     return "no rank is in a tcoll call"

@@ -367,6 +367,7 @@ class Runner:
         self._reap()
         for entry in self._alive:
             signal_group(entry.proc.pid, first)
+            signal_group(entry.proc.pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) acts on it now, not at SIGKILL
         deadline = time.monotonic() + self.config.stop_timeout
         seen = len(self._signals)
         while self._alive and len(self._signals) == seen:
