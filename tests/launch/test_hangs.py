@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from helpers import netns
 from tcoll.launch.hangs import Rank, report, verdict
 from tcoll.p2p import status
 
@@ -236,6 +237,48 @@ def test_a_stopped_rank_is_named_as_stopped_with_its_last_line(tmp_path: Path) -
         _stop(proc)
 
 
+TWO_HOSTS = """
+    import time, numpy as np, tcoll
+    comm = tcoll.init()
+    x = np.ones(4)
+    for i in range(5):
+        if comm.rank == 3 and i == 3:
+            time.sleep(300)
+        comm.all_reduce(x)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+def test_a_job_on_two_hosts_is_reported_whole_by_node_0(tmp_path: Path) -> None:
+    # Two namespace-hosts of two ranks each, each host with its own directory of published states (the hosts
+    # share /tmp here, unlike real ones): node 0's report shows host 1's rows too, sent by node 1's launcher.
+    (tmp_path / "job.py").write_text(textwrap.dedent(TWO_HOSTS).lstrip())
+    run_id = f"hanghosts{os.getpid()}"
+    with netns.namespace_hosts(2) as hosts:
+        launchers = []
+        for host in range(2):
+            runtime = tmp_path / f"runtime{host}"
+            runtime.mkdir(mode=0o700)
+            args = [sys.executable, "-m", "tcoll", "run", "--nnodes", "2", "--node-rank", str(host), "--master",
+                    f"{hosts.addrs[0]}:29500", "-n", "2", "--run-id", run_id, str(tmp_path / "job.py")]
+            launchers.append(hosts.start(host, args, env={"XDG_RUNTIME_DIR": str(runtime), "TCOLL_HANG_REPORT": "3",
+                                                          "TCOLL_TIMEOUT": "120"}, cwd=tmp_path))
+        lines = []
+        assert launchers[0].stdout is not None
+        for line in launchers[0].stdout:
+            lines.append(line)
+            if line.startswith("verdict:"):
+                break
+        text = "".join(lines)
+    assert "(4 of 4 ranks published" in text, text
+    assert ("verdict: rank 3 has made no call since all_reduce #3, and is at job.py:6 (time.sleep(300)); "
+            "ranks 0, 1 and 2 wait for it in all_reduce #4") in text, text
+    rows = [line.split() for line in text.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"], text
+    assert all("job.py:7" in " ".join(row) for row in rows[:3]), text
+
+
 # -- the verdict's rules, on published states ---------------------------------------------------
 
 
@@ -266,3 +309,11 @@ def test_a_cycle_of_collective_waits_is_a_deadlock_and_a_silent_rank_is_named() 
         "ranks 0, 1 and 2 wait for each other (0 -> 1 -> 2 -> 0): a deadlock"
     states = [_state(0, sequence=4, call=4, peers=[2])]
     assert verdict({0: Rank(states[0], 110.0)}, 3).startswith("rank 2 has published nothing")
+
+
+def test_another_hosts_rank_is_stopped_as_its_launcher_saw_it() -> None:
+    # A row sent by another host's launcher (HangWatch) carries what only that host can tell: the process is stopped.
+    states = [_state(0, sequence=4, call=4, peers=[1]), dict(_state(1, code="step()"), stopped=True)]
+    assert verdict({s["rank"]: Rank(s, 110.0) for s in states}, 2) == (
+        "rank 1 is stopped (SIGSTOP or a debugger: it does not answer), last seen at job.py:9 (step()); "
+        "rank 0 waits for it in all_reduce #4")

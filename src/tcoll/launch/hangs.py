@@ -74,9 +74,9 @@ def _bytes(count: Any) -> str:
 
 
 def _stopped(state: dict[str, Any]) -> bool:
-    """Whether the rank's process (on this host) is stopped: state T or t in /proc/<pid>/stat."""
+    """Whether the rank's process is stopped: state T or t in /proc/<pid>/stat (another host's launcher looked)."""
     if state.get("host") != socket.gethostname():
-        return False
+        return bool(state.get("stopped"))  # set by the launcher of its host, which sent its row (HangWatch)
     try:
         with open(f"/proc/{int(state['pid'])}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
@@ -90,12 +90,12 @@ def _alive(state: dict[str, Any]) -> bool:
     return os.path.exists(f"/proc/{int(state.get('pid', 0))}")
 
 
-def _ranks(numbers: list[int]) -> str:
-    """"rank 2", "ranks 0 and 1", "ranks 0, 1 and 3"."""
+def _ranks(numbers: list[int], verb: str = "") -> str:
+    """"rank 2", "ranks 0 and 1", "ranks 0, 1 and 3"; with a verb, it agrees: "rank 2 waits", "ranks 0 and 1 wait"."""
     words = [str(n) for n in sorted(numbers)]
     if len(words) == 1:
-        return f"rank {words[0]}"
-    return f"ranks {', '.join(words[:-1])} and {words[-1]}"
+        return f"rank {words[0]}" + (f" {verb}s" if verb else "")
+    return f"ranks {', '.join(words[:-1])} and {words[-1]}" + (f" {verb}" if verb else "")
 
 
 def _waiting_on(rows: dict[int, Rank], culprit: int) -> list[int]:
@@ -146,7 +146,7 @@ def verdict(rows: dict[int, Rank], size: int) -> str:
     for peer in waited_on:
         if peer not in rows:
             return f"rank {peer} has published nothing (it is gone, or never joined); " \
-                   f"{_ranks(_waiting_on(rows, peer))} wait for it"
+                   f"{_ranks(_waiting_on(rows, peer), 'wait')} for it"
     for row in sorted(rows.values(), key=lambda r: (not r.stopped, r.rank)):
         if row.peers and not row.stopped:
             continue
@@ -154,7 +154,8 @@ def verdict(rows: dict[int, Rank], size: int) -> str:
         if not waiters and not row.stopped:
             continue
         calls = sorted({rows[w].label for w in waiters if rows[w].label})
-        tail = f"; {_ranks(waiters)} wait for it" + (f" in {' and '.join(calls)}" if calls else "") if waiters else ""
+        tail = (f"; {_ranks(waiters, 'wait')} for it" + (f" in {' and '.join(calls)}" if calls else "")
+                if waiters else "")
         if row.stopped:  # its sampler is stopped too: its row is the last it wrote
             inside = f" in {row.label}" if row.label else ""
             return f"rank {row.rank} is stopped (SIGSTOP or a debugger: it does not answer), " \
@@ -166,7 +167,7 @@ def verdict(rows: dict[int, Rank], size: int) -> str:
     if cycle:
         waiters = sorted({w for r in cycle for w in _waiting_on(rows, r)} - set(cycle))
         calls = sorted({rows[w].label for w in waiters if rows[w].label})
-        tail = f"; {_ranks(waiters)} wait for them" + (f" in {' and '.join(calls)}" if calls else "") \
+        tail = f"; {_ranks(waiters, 'wait')} for them" + (f" in {' and '.join(calls)}" if calls else "") \
             if waiters else ""
         if len(cycle) == 2 and all(rows[r].recv for r in cycle):
             tags = sorted({rows[r].detail for r in cycle if rows[r].detail})
@@ -280,38 +281,74 @@ def remove_job(job: str) -> None:
 class HangWatch:
     """The launcher's eye on its job: a report after `after` s without progress, or when asked.
 
+    With several nodes, every launcher sends its host's rows to the others through `nodes` (the
+    launchers' link, tcoll.launch.coordinator.NodeCoordinator: share_rows, rows, ask_dump,
+    dumps_asked), so a report shows every rank of the job; only node 0 (`primary`) reports by itself.
+
     Args:
         job: the run id.
         after: seconds without progress before a report (TCOLL_HANG_REPORT; 0: only when asked).
         say: prints a report.
+        nodes: the link to the other nodes' launchers (None: a job of one node).
+        primary: whether this launcher reports a hang by itself (node 0's).
     """
 
-    def __init__(self, job: str, after: float, say: Any) -> None:
-        self.job, self.after, self.say = job, after, say
+    def __init__(self, job: str, after: float, say: Any, nodes: Any = None, primary: bool = True) -> None:
+        self.job, self.after, self.say, self.nodes, self.primary = job, after, say, nodes, primary
         self.next_look = 0.0
         self.reported: Any = None
+        self.shared: Any = None  # the rows this node sent last
+        self.dumps = 0  # the other nodes' requests for dumps, served so far
 
     def check(self) -> None:
         """Look at the ranks about once a second; report a hang once per state of the job."""
-        if self.after <= 0 or time.monotonic() < self.next_look:
+        if time.monotonic() < self.next_look or (self.after <= 0 and self.nodes is None):
             return
         self.next_look = time.monotonic() + 1.0
-        states = job_states(self.job)
+        local = job_states(self.job)
+        if self.nodes is not None:
+            self._share(local)
+        if self.after <= 0 or not self.primary:
+            return
+        states = self._whole_job(local)
         if not states or not stuck(states) or quiet_for(states) < self.after:
             return
         key = progress_key(states)
         if key != self.reported:
             self.reported = key
-            self.say(report(self.job, states))
-            ask_dump(self.job)
+            self._report(states)
 
     def report_now(self, only_if_stuck: bool = False) -> None:
         """Report at once (SIGUSR1, Ctrl-C), if the ranks published anything."""
-        states = job_states(self.job)
+        states = self._whole_job(job_states(self.job))
         if states and (stuck(states) or not only_if_stuck):
             self.reported = progress_key(states)
-            self.say(report(self.job, states))
+            self._report(states)
+
+    def _report(self, states: list[dict[str, Any]]) -> None:
+        self.say(report(self.job, states))
+        ask_dump(self.job)
+        if self.nodes is not None:
+            self.nodes.ask_dump()  # the other hosts' ranks dump too
+
+    def _share(self, local: list[dict[str, Any]]) -> None:
+        """Send this host's rows to the other launchers when they changed; serve their requests for dumps."""
+        rows = [dict(state, stopped=_stopped(state)) for state in local]  # only this host can tell
+        if rows != self.shared:
+            self.shared = rows
+            self.nodes.share_rows(rows)
+        asked = self.nodes.dumps_asked()
+        if asked > self.dumps:
+            self.dumps = asked
             ask_dump(self.job)
+
+    def _whole_job(self, local: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The states of every rank of the job: this host's, and those the other launchers sent."""
+        if self.nodes is None:
+            return local
+        ranks = {int(state["rank"]) for state in local}
+        return sorted(local + [s for s in self.nodes.rows() if int(s["rank"]) not in ranks],
+                      key=lambda state: int(state["rank"]))
 
 
 def hang_after(env: dict[str, str]) -> float:
