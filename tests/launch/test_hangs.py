@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,7 +182,7 @@ def test_a_rank_in_another_collective_is_a_deadlock_across_calls(tmp_path: Path)
     run_id = f"hangother{os.getpid()}"
     proc = _start(tmp_path, ANOTHER_CALL, 4, run_id, TCOLL_HANG_REPORT="3", TCOLL_TIMEOUT="120")
     try:
-        text = _until_verdict(proc)
+        text = _until_verdict(proc, "barrier")  # a slow start may be reported first
         assert ("verdict: a deadlock across calls: rank 2 in barrier #1 among ranks 2 and 3 (job.py:7) waits for "
                 "rank 3, which is in all_reduce #5 (job.py:8) and waits for rank 2; ranks 0 and 1 wait for them in "
                 "all_reduce #5") in text, text
@@ -237,6 +238,40 @@ def test_a_stopped_rank_is_named_as_stopped_with_its_last_line(tmp_path: Path) -
         _stop(proc)
 
 
+DDP_ASLEEP = """
+    import time, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("tcoll")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 2))
+    for step in range(5):
+        loss = model(torch.ones(3, 4)).sum()
+        if dist.get_rank() == 1 and step == 3:
+            time.sleep(300)
+        loss.backward()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_ddp_rank_asleep_before_its_backward_is_named_with_its_line(tmp_path: Path) -> None:
+    # DDP on the tcoll backend: rank 0 waits in the gradients' all_reduce, which DDP starts from inside
+    # backward(); its row names the user's backward line, rank 1's its sleep.
+    pytest.importorskip("torch")
+    run_id = f"hangddp{os.getpid()}"
+    proc = _start(tmp_path, DDP_ASLEEP, 2, run_id, TCOLL_HANG_REPORT="2")
+    try:
+        text = _until_verdict(proc, "time.sleep")  # a slow start (importing torch) may be reported first
+        found = re.search(r"verdict: rank 1 has made no call since all_reduce #(\d+), and is at job\.py:9 "
+                          r"\(time\.sleep\(300\)\); rank 0 waits for it in all_reduce #(\d+)$", text.strip())
+        assert found and int(found[2]) == int(found[1]) + 1, text
+        row = next(line for line in text.splitlines() if line.strip().startswith("0 "))
+        assert "job.py:10 (loss.backward())" in row, text
+        assert "rank 1 has made no call since" in _status(run_id)
+    finally:
+        _stop(proc)
+
+
 TWO_HOSTS = """
     import time, numpy as np, tcoll
     comm = tcoll.init()
@@ -266,9 +301,10 @@ def test_a_job_on_two_hosts_is_reported_whole_by_node_0(tmp_path: Path) -> None:
                                                           "TCOLL_TIMEOUT": "120"}, cwd=tmp_path))
         lines = []
         assert launchers[0].stdout is not None
-        for line in launchers[0].stdout:
+        for line in launchers[0].stdout:  # up to the verdict on the sleep (a slow start may be reported first)
+            lines = [] if line.startswith("tcoll: hang report") else lines
             lines.append(line)
-            if line.startswith("verdict:"):
+            if line.startswith("verdict:") and "time.sleep" in line:
                 break
         text = "".join(lines)
     assert "(4 of 4 ranks published" in text, text
