@@ -287,7 +287,8 @@ TWO_HOSTS = """
 @pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 def test_a_job_on_two_hosts_is_reported_whole_by_node_0(tmp_path: Path) -> None:
     # Two namespace-hosts of two ranks each, each host with its own directory of published states (the hosts
-    # share /tmp here, unlike real ones): node 0's report shows host 1's rows too, sent by node 1's launcher.
+    # share /tmp here, unlike real ones): node 0's report, and `tcoll status` on node 0's host, show host 1's rows
+    # too, sent by node 1's launcher.
     (tmp_path / "job.py").write_text(textwrap.dedent(TWO_HOSTS).lstrip())
     run_id = f"hanghosts{os.getpid()}"
     with netns.namespace_hosts(2) as hosts:
@@ -307,12 +308,17 @@ def test_a_job_on_two_hosts_is_reported_whole_by_node_0(tmp_path: Path) -> None:
             if line.startswith("verdict:") and "time.sleep" in line:
                 break
         text = "".join(lines)
+        seen = subprocess.run(hosts.command(0, [sys.executable, "-m", "tcoll", "status", "--job", run_id]),
+                              env=_env(XDG_RUNTIME_DIR=str(tmp_path / "runtime0")), capture_output=True, text=True,
+                              timeout=30, check=False)
     assert "(4 of 4 ranks published" in text, text
     assert ("verdict: rank 3 has made no call since all_reduce #3, and is at job.py:6 (time.sleep(300)); "
             "ranks 0, 1 and 2 wait for it in all_reduce #4") in text, text
     rows = [line.split() for line in text.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
     assert [row[0] for row in rows] == ["0", "1", "2", "3"], text
     assert all("job.py:7" in " ".join(row) for row in rows[:3]), text
+    assert seen.returncode == 0, seen.stderr  # on node 0's host, from another shell: the whole job too
+    assert "(4 of 4 ranks published" in seen.stdout and text.splitlines()[-1] in seen.stdout, seen.stdout
 
 
 # -- the verdict's rules, on published states ---------------------------------------------------

@@ -2,13 +2,16 @@
 
 Read from the files the ranks publish (tcoll.p2p.status, tcoll.p2p.reporter),
 by `tcoll run` (after TCOLL_HANG_REPORT seconds without progress, on Ctrl-C,
-on SIGUSR1) and by `tcoll status`. The verdict names the culprit in words:
+on SIGUSR1) and by `tcoll status`. With several hosts, every launcher sends
+its host's rows to the others through the job's store, and node 0's keeps
+them beside its host's files, so both see the whole job. The verdict names the culprit in words:
 the rank the others wait for that waits for nobody (asleep in user code, in
 another call, stopped), or a cycle of ranks that wait for each other.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -222,9 +225,37 @@ def stuck(states: list[dict[str, Any]]) -> bool:
     return any(s.get("in_tcoll") or s.get("waiting") for s in states)
 
 
-def job_states(job: str, directory: str | None = None) -> list[dict[str, Any]]:
-    """The published states of job `job` whose processes still live."""
-    return [s for s in status.read_job(directory or status.job_dir(job)) if _alive(s)]
+OTHER_HOSTS = "hosts.json"
+"""The file, beside the ranks' own, in which node 0's launcher keeps the rows the other hosts' launchers sent."""
+
+
+def job_states(job: str, directory: str | None = None, others: bool = True) -> list[dict[str, Any]]:
+    """The published states of job `job` whose processes still live.
+
+    Args:
+        job: the run id.
+        directory: where they are published (default: this user's directory for `job`).
+        others: add the other hosts' rows that the launcher of node 0 keeps here (while it lives).
+    """
+    directory = directory or status.job_dir(job)
+    local = [s for s in status.read_job(directory) if _alive(s)]
+    if not others:
+        return local
+    ranks = {int(s["rank"]) for s in local}
+    return sorted(local + [s for s in _other_hosts(directory) if int(s["rank"]) not in ranks],
+                  key=lambda state: int(state["rank"]))
+
+
+def _other_hosts(directory: str) -> list[dict[str, Any]]:
+    """The other hosts' rows kept in `directory` by a launcher that still lives ([] if none)."""
+    try:
+        with open(os.path.join(directory, OTHER_HOSTS)) as source:
+            kept = json.load(source)
+        if _alive({"host": kept["host"], "pid": kept["launcher"]}):
+            return [s for s in kept["states"] if isinstance(s, dict) and "rank" in s]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return []
 
 
 def running_jobs() -> dict[str, str]:
@@ -238,10 +269,10 @@ def running_jobs() -> dict[str, str]:
         for name in names:
             directory = os.path.join(base, name)
             states = status.read_job(directory)
-            if any(_alive(s) for s in states):
+            if any(_alive(s) for s in states) or _other_hosts(directory):
                 found.setdefault(name, directory)
-            elif states:
-                shutil.rmtree(directory, ignore_errors=True)  # every rank of it is gone (killed)
+            elif states or os.path.exists(os.path.join(directory, OTHER_HOSTS)):
+                shutil.rmtree(directory, ignore_errors=True)  # every rank of it, and its launcher, is gone (killed)
             elif _older_than(directory, 60.0):
                 _rmdir(directory)  # empty for a minute: no rank is about to publish there
     return found
@@ -299,19 +330,20 @@ class HangWatch:
         self.reported: Any = None
         self.shared: Any = None  # the rows this node sent last
         self.dumps = 0  # the other nodes' requests for dumps, served so far
+        self.kept: Any = None  # the other hosts' rows last written beside this host's (OTHER_HOSTS)
 
     def check(self) -> None:
         """Look at the ranks about once a second; report a hang once per state of the job."""
         if time.monotonic() < self.next_look or (self.after <= 0 and self.nodes is None):
             return
         self.next_look = time.monotonic() + 1.0
-        local = job_states(self.job)
+        local = job_states(self.job, others=False)
         if self.nodes is not None:
             self._share(local)
-        if self.after <= 0 or not self.primary:
+        if not self.primary:
             return
         states = self._whole_job(local)
-        if not states or not stuck(states) or quiet_for(states) < self.after:
+        if self.after <= 0 or not states or not stuck(states) or quiet_for(states) < self.after:
             return
         key = progress_key(states)
         if key != self.reported:
@@ -320,7 +352,7 @@ class HangWatch:
 
     def report_now(self, only_if_stuck: bool = False) -> None:
         """Report at once (SIGUSR1, Ctrl-C), if the ranks published anything."""
-        states = self._whole_job(job_states(self.job))
+        states = self._whole_job(job_states(self.job, others=False))
         if states and (stuck(states) or not only_if_stuck):
             self.reported = progress_key(states)
             self._report(states)
@@ -347,8 +379,15 @@ class HangWatch:
         if self.nodes is None:
             return local
         ranks = {int(state["rank"]) for state in local}
-        return sorted(local + [s for s in self.nodes.rows() if int(s["rank"]) not in ranks],
-                      key=lambda state: int(state["rank"]))
+        others = [s for s in self.nodes.rows() if int(s["rank"]) not in ranks]
+        if others != self.kept:  # kept beside this host's rows, for `tcoll status` on this host
+            self.kept = others
+            try:
+                status.write(os.path.join(status.job_dir(self.job, create=True), OTHER_HOSTS),
+                             {"launcher": os.getpid(), "host": socket.gethostname(), "states": others})
+            except OSError:
+                pass
+        return sorted(local + others, key=lambda state: int(state["rank"]))
 
 
 def hang_after(env: dict[str, str]) -> float:
