@@ -20,8 +20,8 @@ from typing import Any
 
 from tcoll.p2p import status
 
-__all__ = ["Rank", "report", "verdict", "quiet_for", "progress_key", "job_states", "running_jobs", "remove_job", "ask_dump", "HangWatch",
-           "hang_after"]
+__all__ = ["Rank", "report", "verdict", "quiet_for", "progress_key", "job_states", "running_jobs", "remove_job",
+           "ask_dump", "HangWatch", "hang_after", "OTHER_HOSTS"]
 
 
 class Rank:

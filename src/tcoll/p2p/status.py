@@ -28,8 +28,8 @@ from typing import Any
 
 from . import notice
 
-__all__ = ["Waiting", "note_wait", "bases", "job_dir", "publish", "write", "read_job", "user_frame", "stack_top", "wall",
-           "frames_of"]
+__all__ = ["Waiting", "note_wait", "bases", "job_dir", "publish", "write", "read_job", "user_frame", "stack_top",
+           "wall", "frames_of"]
 
 _TCOLL = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Frames that are nobody's own code: tcoll's, the standard library's, installed packages' (torch's wrappers).
