@@ -359,3 +359,17 @@ def test_another_hosts_rank_is_stopped_as_its_launcher_saw_it() -> None:
     assert verdict({s["rank"]: Rank(s, 110.0) for s in states}, 2) == (
         "rank 1 is stopped (SIGSTOP or a debugger: it does not answer), last seen at job.py:9 (step()); "
         "rank 0 waits for it in all_reduce #4")
+
+
+def test_other_hosts_rows_count_while_the_launcher_that_kept_them_lives(tmp_path: Path) -> None:
+    import socket
+
+    from tcoll.launch.hangs import OTHER_HOSTS, job_states
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=30)
+    for launcher, expected in ((os.getpid(), [1]), (int(gone.stdout), [])):
+        status.write(str(tmp_path / OTHER_HOSTS), {"launcher": launcher, "host": socket.gethostname(),
+                                                   "states": [_state(1)]})
+        assert [s["rank"] for s in job_states("j", str(tmp_path))] == expected
+        assert job_states("j", str(tmp_path), others=False) == []
