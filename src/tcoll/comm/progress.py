@@ -20,6 +20,8 @@ def _describe(dispatcher: Any) -> dict[str, Any]:
     running = sorted(list(dispatcher.agreement.watch.calls.values()), key=lambda entry: entry.sequence)
     state: dict[str, Any] = {"size": dispatcher.size, "rank": dispatcher.rank, "sequence": sequence, "call": None,
                              "last": None}
+    if dispatcher.size != dispatcher.engine.size:  # a split's: the report names its members
+        state["members"] = list(dispatcher.world)
     if current is not None and current[0] == sequence:
         state["last"] = current[1].call.label
     if running:
@@ -41,7 +43,8 @@ def calls(engine: Any) -> list[dict[str, Any]]:
     """The calls of every live communicator of `engine` (the world's first), as the hang report shows them.
 
     Returns:
-        A list of dicts: size, rank (in that communicator), sequence (calls numbered so far), last (the
+        A list of dicts: size, rank (in that communicator), members (the world ranks of a communicator
+        smaller than the world, else absent), sequence (calls numbered so far), last (the
         label of the last call numbered, if known), call (the one under way: label, sequence, algorithm,
         bytes, work; or None).
     """

@@ -12,6 +12,10 @@ Keys, all under ``tcoll/launch/`` (the ranks' own keys live elsewhere):
   (which must keep the store up until every node is done) notices a launcher
   that died without a word.
 - ``done/<node>``: 1 once all the ranks of that node exited 0.
+- ``rows/<node>``: JSON, the hang report's rows of the ranks on that node
+  (tcoll.launch.hangs.HangWatch), rewritten when they change.
+- ``dump``: a counter a launcher bumps when its report asks every rank for its
+  flight-recorder dump.
 """
 
 from __future__ import annotations
@@ -188,6 +192,36 @@ class NodeCoordinator:
         """
         info = {"node": self._config.node_rank, "rank": rank, "code": code, "reason": reason}
         self._best_effort(lambda: self._main.compare_set(_ABORT, b"", json.dumps(info).encode()))
+
+    def share_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Publish the hang report's rows of this node's ranks (best effort)."""
+        value = json.dumps(rows).encode()
+        self._best_effort(lambda: self._main.set(f"{PREFIX}rows/{self._config.node_rank}", value))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows the other nodes published last (those that published any; none if the store fails)."""
+        keys = [f"{PREFIX}rows/{node}" for node in range(self._config.nnodes) if node != self._config.node_rank]
+        if self._best_effort(lambda: self._main.check(keys)):
+            values = self._best_effort(lambda: self._main.multi_get(keys, timeout=_REQUEST_TIMEOUT)) or []
+        else:  # a node has published nothing yet: the others one by one
+            values = [self._best_effort(lambda key=key: self._main.get(key, timeout=_REQUEST_TIMEOUT)
+                                        if self._main.check([key]) else None) for key in keys]
+        found = []
+        for value in values:
+            if value:
+                try:
+                    found.extend(json.loads(_text(value)))
+                except ValueError:
+                    continue
+        return found
+
+    def ask_dump(self) -> None:
+        """Ask every node's ranks for their flight-recorder dumps (best effort)."""
+        self._best_effort(lambda: self._main.add(f"{PREFIX}dump", 1))
+
+    def dumps_asked(self) -> int:
+        """How many times a launcher asked for dumps so far (0 if the store fails)."""
+        return int(self._best_effort(lambda: self._main.add(f"{PREFIX}dump", 0)) or 0)
 
     def pending_nodes(self) -> list[int]:
         """List the nodes whose ranks have not all exited 0 yet (all of them if the store fails)."""

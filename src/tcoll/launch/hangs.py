@@ -2,13 +2,16 @@
 
 Read from the files the ranks publish (tcoll.p2p.status, tcoll.p2p.reporter),
 by `tcoll run` (after TCOLL_HANG_REPORT seconds without progress, on Ctrl-C,
-on SIGUSR1) and by `tcoll status`. The verdict names the culprit in words:
+on SIGUSR1) and by `tcoll status`. With several hosts, every launcher sends
+its host's rows to the others through the job's store, and node 0's keeps
+them beside its host's files, so both see the whole job. The verdict names the culprit in words:
 the rank the others wait for that waits for nobody (asleep in user code, in
 another call, stopped), or a cycle of ranks that wait for each other.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -17,8 +20,8 @@ from typing import Any
 
 from tcoll.p2p import status
 
-__all__ = ["Rank", "report", "verdict", "quiet_for", "progress_key", "job_states", "running_jobs", "remove_job", "ask_dump", "HangWatch",
-           "hang_after"]
+__all__ = ["Rank", "report", "verdict", "quiet_for", "progress_key", "job_states", "running_jobs", "remove_job",
+           "ask_dump", "HangWatch", "hang_after", "OTHER_HOSTS"]
 
 
 class Rank:
@@ -44,7 +47,8 @@ class Rank:
         self.label = ""
         if under_way:
             call = under_way[0]["call"]
-            self.label = f"{call['label']} #{call['sequence']}"
+            members = under_way[0].get("members")  # a split's call: say among whom
+            self.label = f"{call['label']} #{call['sequence']}" + (f" among {_ranks(members)}" if members else "")
             how = [part for part in (call.get("algorithm"), _bytes(call.get("bytes"))) if part]
             self.call = self.label + (f" ({', '.join(how)})" if how else "")
         elif noted:
@@ -73,9 +77,9 @@ def _bytes(count: Any) -> str:
 
 
 def _stopped(state: dict[str, Any]) -> bool:
-    """Whether the rank's process (on this host) is stopped: state T or t in /proc/<pid>/stat."""
+    """Whether the rank's process is stopped: state T or t in /proc/<pid>/stat (another host's launcher looked)."""
     if state.get("host") != socket.gethostname():
-        return False
+        return bool(state.get("stopped"))  # set by the launcher of its host, which sent its row (HangWatch)
     try:
         with open(f"/proc/{int(state['pid'])}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
@@ -89,12 +93,12 @@ def _alive(state: dict[str, Any]) -> bool:
     return os.path.exists(f"/proc/{int(state.get('pid', 0))}")
 
 
-def _ranks(numbers: list[int]) -> str:
-    """"rank 2", "ranks 0 and 1", "ranks 0, 1 and 3"."""
+def _ranks(numbers: list[int], verb: str = "") -> str:
+    """"rank 2", "ranks 0 and 1", "ranks 0, 1 and 3"; with a verb, it agrees: "rank 2 waits", "ranks 0 and 1 wait"."""
     words = [str(n) for n in sorted(numbers)]
     if len(words) == 1:
-        return f"rank {words[0]}"
-    return f"ranks {', '.join(words[:-1])} and {words[-1]}"
+        return f"rank {words[0]}" + (f" {verb}s" if verb else "")
+    return f"ranks {', '.join(words[:-1])} and {words[-1]}" + (f" {verb}" if verb else "")
 
 
 def _waiting_on(rows: dict[int, Rank], culprit: int) -> list[int]:
@@ -127,13 +131,25 @@ def _cycle(rows: dict[int, Rank]) -> list[int]:
     return []
 
 
+def _chain(rows: dict[int, Rank], cycle: list[int]) -> str:
+    """A cycle of ranks in different calls in words: "rank 2 in barrier #1 (job.py:7) waits for rank 3, which is in
+    all_reduce #5 (job.py:8) and waits for rank 2"."""
+    words = []
+    for k, rank in enumerate(cycle):
+        row, then = rows[rank], cycle[(k + 1) % len(cycle)]
+        where = row.state.get("where", "?")
+        words.append(f"rank {rank} in {row.label} ({where}) waits for rank {then}" if k == 0 else
+                     f", which is in {row.label} ({where}) and waits for rank {then}")
+    return "".join(words)
+
+
 def verdict(rows: dict[int, Rank], size: int) -> str:
     """The culprit in words (see the module docstring)."""
     waited_on = sorted({peer for row in rows.values() for peer in row.peers})
     for peer in waited_on:
         if peer not in rows:
             return f"rank {peer} has published nothing (it is gone, or never joined); " \
-                   f"{_ranks(_waiting_on(rows, peer))} wait for it"
+                   f"{_ranks(_waiting_on(rows, peer), 'wait')} for it"
     for row in sorted(rows.values(), key=lambda r: (not r.stopped, r.rank)):
         if row.peers and not row.stopped:
             continue
@@ -141,19 +157,28 @@ def verdict(rows: dict[int, Rank], size: int) -> str:
         if not waiters and not row.stopped:
             continue
         calls = sorted({rows[w].label for w in waiters if rows[w].label})
-        tail = f"; {_ranks(waiters)} wait for it" + (f" in {' and '.join(calls)}" if calls else "") if waiters else ""
-        if row.stopped:
-            return f"rank {row.rank} is stopped (SIGSTOP or a debugger) at {row.at}{tail}"
+        tail = (f"; {_ranks(waiters, 'wait')} for it" + (f" in {' and '.join(calls)}" if calls else "")
+                if waiters else "")
+        if row.stopped:  # its sampler is stopped too: its row is the last it wrote
+            inside = f" in {row.label}" if row.label else ""
+            return f"rank {row.rank} is stopped (SIGSTOP or a debugger: it does not answer), " \
+                   f"last seen{inside} at {row.at}{tail}"
         if row.idle:
             return f"rank {row.rank} has made {row.idle}, and is at {row.at}{tail}"
         return f"rank {row.rank} is in {row.call} at {row.at}{tail}"
     cycle = _cycle(rows)
     if cycle:
+        waiters = sorted({w for r in cycle for w in _waiting_on(rows, r)} - set(cycle))
+        calls = sorted({rows[w].label for w in waiters if rows[w].label})
+        tail = f"; {_ranks(waiters, 'wait')} for them" + (f" in {' and '.join(calls)}" if calls else "") \
+            if waiters else ""
         if len(cycle) == 2 and all(rows[r].recv for r in cycle):
             tags = sorted({rows[r].detail for r in cycle if rows[r].detail})
-            return f"{_ranks(cycle)} each wait to receive from the other ({', '.join(tags)}): a deadlock"
+            return f"{_ranks(cycle)} each wait to receive from the other ({', '.join(tags)}): a deadlock{tail}"
+        if len({rows[r].label for r in cycle}) > 1:
+            return f"a deadlock across calls: {_chain(rows, cycle)}{tail}"
         chain = " -> ".join(str(r) for r in [*cycle, cycle[0]])
-        return f"{_ranks(cycle)} wait for each other ({chain}): a deadlock"
+        return f"{_ranks(cycle)} wait for each other ({chain}): a deadlock{tail}"
     if any(row.call for row in rows.values()):
         return "no rank waits for a rank that is not itself waiting: the ranks may still be moving"
     return "no rank is in a tcoll call"
@@ -200,9 +225,37 @@ def stuck(states: list[dict[str, Any]]) -> bool:
     return any(s.get("in_tcoll") or s.get("waiting") for s in states)
 
 
-def job_states(job: str, directory: str | None = None) -> list[dict[str, Any]]:
-    """The published states of job `job` whose processes still live."""
-    return [s for s in status.read_job(directory or status.job_dir(job)) if _alive(s)]
+OTHER_HOSTS = "hosts.json"
+"""The file, beside the ranks' own, in which node 0's launcher keeps the rows the other hosts' launchers sent."""
+
+
+def job_states(job: str, directory: str | None = None, others: bool = True) -> list[dict[str, Any]]:
+    """The published states of job `job` whose processes still live.
+
+    Args:
+        job: the run id.
+        directory: where they are published (default: this user's directory for `job`).
+        others: add the other hosts' rows that the launcher of node 0 keeps here (while it lives).
+    """
+    directory = directory or status.job_dir(job)
+    local = [s for s in status.read_job(directory) if _alive(s)]
+    if not others:
+        return local
+    ranks = {int(s["rank"]) for s in local}
+    return sorted(local + [s for s in _other_hosts(directory) if int(s["rank"]) not in ranks],
+                  key=lambda state: int(state["rank"]))
+
+
+def _other_hosts(directory: str) -> list[dict[str, Any]]:
+    """The other hosts' rows kept in `directory` by a launcher that still lives ([] if none)."""
+    try:
+        with open(os.path.join(directory, OTHER_HOSTS)) as source:
+            kept = json.load(source)
+        if _alive({"host": kept["host"], "pid": kept["launcher"]}):
+            return [s for s in kept["states"] if isinstance(s, dict) and "rank" in s]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return []
 
 
 def running_jobs() -> dict[str, str]:
@@ -216,10 +269,10 @@ def running_jobs() -> dict[str, str]:
         for name in names:
             directory = os.path.join(base, name)
             states = status.read_job(directory)
-            if any(_alive(s) for s in states):
+            if any(_alive(s) for s in states) or _other_hosts(directory):
                 found.setdefault(name, directory)
-            elif states:
-                shutil.rmtree(directory, ignore_errors=True)  # every rank of it is gone (killed)
+            elif states or os.path.exists(os.path.join(directory, OTHER_HOSTS)):
+                shutil.rmtree(directory, ignore_errors=True)  # every rank of it, and its launcher, is gone (killed)
             elif _older_than(directory, 60.0):
                 _rmdir(directory)  # empty for a minute: no rank is about to publish there
     return found
@@ -259,38 +312,82 @@ def remove_job(job: str) -> None:
 class HangWatch:
     """The launcher's eye on its job: a report after `after` s without progress, or when asked.
 
+    With several nodes, every launcher sends its host's rows to the others through `nodes` (the
+    launchers' link, tcoll.launch.coordinator.NodeCoordinator: share_rows, rows, ask_dump,
+    dumps_asked), so a report shows every rank of the job; only node 0 (`primary`) reports by itself.
+
     Args:
         job: the run id.
         after: seconds without progress before a report (TCOLL_HANG_REPORT; 0: only when asked).
         say: prints a report.
+        nodes: the link to the other nodes' launchers (None: a job of one node).
+        primary: whether this launcher reports a hang by itself (node 0's).
     """
 
-    def __init__(self, job: str, after: float, say: Any) -> None:
-        self.job, self.after, self.say = job, after, say
+    def __init__(self, job: str, after: float, say: Any, nodes: Any = None, primary: bool = True) -> None:
+        self.job, self.after, self.say, self.nodes, self.primary = job, after, say, nodes, primary
         self.next_look = 0.0
         self.reported: Any = None
+        self.shared: Any = None  # the rows this node sent last
+        self.dumps = 0  # the other nodes' requests for dumps, served so far
+        self.kept: Any = None  # the other hosts' rows last written beside this host's (OTHER_HOSTS)
 
     def check(self) -> None:
         """Look at the ranks about once a second; report a hang once per state of the job."""
-        if self.after <= 0 or time.monotonic() < self.next_look:
+        if time.monotonic() < self.next_look or (self.after <= 0 and self.nodes is None):
             return
         self.next_look = time.monotonic() + 1.0
-        states = job_states(self.job)
-        if not states or not stuck(states) or quiet_for(states) < self.after:
+        local = job_states(self.job, others=False)
+        if self.nodes is not None:
+            self._share(local)
+        if not self.primary:
+            return
+        states = self._whole_job(local)
+        if self.after <= 0 or not states or not stuck(states) or quiet_for(states) < self.after:
             return
         key = progress_key(states)
         if key != self.reported:
             self.reported = key
-            self.say(report(self.job, states))
-            ask_dump(self.job)
+            self._report(states)
 
     def report_now(self, only_if_stuck: bool = False) -> None:
         """Report at once (SIGUSR1, Ctrl-C), if the ranks published anything."""
-        states = job_states(self.job)
+        states = self._whole_job(job_states(self.job, others=False))
         if states and (stuck(states) or not only_if_stuck):
             self.reported = progress_key(states)
-            self.say(report(self.job, states))
+            self._report(states)
+
+    def _report(self, states: list[dict[str, Any]]) -> None:
+        self.say(report(self.job, states))
+        ask_dump(self.job)
+        if self.nodes is not None:
+            self.nodes.ask_dump()  # the other hosts' ranks dump too
+
+    def _share(self, local: list[dict[str, Any]]) -> None:
+        """Send this host's rows to the other launchers when they changed; serve their requests for dumps."""
+        rows = [dict(state, stopped=_stopped(state)) for state in local]  # only this host can tell
+        if rows != self.shared:
+            self.shared = rows
+            self.nodes.share_rows(rows)
+        asked = self.nodes.dumps_asked()
+        if asked > self.dumps:
+            self.dumps = asked
             ask_dump(self.job)
+
+    def _whole_job(self, local: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The states of every rank of the job: this host's, and those the other launchers sent."""
+        if self.nodes is None:
+            return local
+        ranks = {int(state["rank"]) for state in local}
+        others = [s for s in self.nodes.rows() if int(s["rank"]) not in ranks]
+        if others != self.kept:  # kept beside this host's rows, for `tcoll status` on this host
+            self.kept = others
+            try:
+                status.write(os.path.join(status.job_dir(self.job, create=True), OTHER_HOSTS),
+                             {"launcher": os.getpid(), "host": socket.gethostname(), "states": others})
+            except OSError:
+                pass
+        return sorted(local + others, key=lambda state: int(state["rank"]))
 
 
 def hang_after(env: dict[str, str]) -> float:

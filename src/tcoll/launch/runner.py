@@ -110,7 +110,8 @@ class Runner:
         try:
             store, torch_port = self._open_store()
             self._raise_on_signal = False  # from now on a signal is forwarded to the ranks
-            self._hangs = HangWatch(self.config.run_id, hang_after(self.config.env), self._sink.message)
+            self._hangs = HangWatch(self.config.run_id, hang_after(self.config.env), self._sink.message,
+                                    self._coord, primary=self.config.node_rank == 0)
             self._spawn_all(store, torch_port)
             code = self._supervise()
             if code == 0 and self._coord is not None:
@@ -280,12 +281,16 @@ class Runner:
             code = self._check_remote()
             if code is not None:
                 return code
-            if self._hangs is not None:
-                if self._report_asked:
-                    self._report_asked = False
-                    self._hangs.report_now()
-                self._hangs.check()
+            self._watch_hangs()
             self._waker.wait(_POLL)
+
+    def _watch_hangs(self) -> None:
+        """Report where the ranks are when asked (SIGUSR1) or when the job made no progress for a while."""
+        if self._hangs is not None:
+            if self._report_asked:
+                self._report_asked = False
+                self._hangs.report_now()
+            self._hangs.check()
 
     def _cause(self, first: RankProcess) -> RankProcess:
         """The failed rank to report: the first whose error is a cause, not the echo of another's.
@@ -367,6 +372,7 @@ class Runner:
         self._reap()
         for entry in self._alive:
             signal_group(entry.proc.pid, first)
+            signal_group(entry.proc.pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) acts on it now, not at SIGKILL
         deadline = time.monotonic() + self.config.stop_timeout
         seen = len(self._signals)
         while self._alive and len(self._signals) == seen:
@@ -405,6 +411,7 @@ class Runner:
                 self._sink.message(f"tcoll run: the launcher of node {silent} stopped answering; giving up")
                 coord.abort(-1, 1, f"node {silent} stopped answering")
                 return 1
+            self._watch_hangs()  # the other nodes' ranks may hang after this node's are done
             self._waker.wait(0.5)
 
     # -- cleanup ---------------------------------------------------------------------

@@ -28,8 +28,8 @@ from typing import Any
 
 from . import notice
 
-__all__ = ["Waiting", "note_wait", "bases", "job_dir", "publish", "read_job", "user_frame", "stack_top", "wall",
-           "frames_of"]
+__all__ = ["Waiting", "note_wait", "bases", "job_dir", "publish", "write", "read_job", "user_frame", "stack_top",
+           "wall", "frames_of"]
 
 _TCOLL = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Frames that are nobody's own code: tcoll's, the standard library's, installed packages' (torch's wrappers).
@@ -190,7 +190,11 @@ def job_dir(job: str, create: bool = False) -> str:
 
 def publish(directory: str, rank: int, state: dict[str, Any]) -> None:
     """Write rank `rank`'s state into `directory`, whole (a reader never sees half a file)."""
-    path = os.path.join(directory, f"rank-{rank}.json")
+    write(os.path.join(directory, f"rank-{rank}.json"), state)
+
+
+def write(path: str, state: Any) -> None:
+    """Write `state` as JSON to `path`, readable by this user only, whole (a reader never sees half a file)."""
     part = f"{path}.{os.getpid()}.part"
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
