@@ -24,6 +24,7 @@ from helpers.torch_workers import spawn  # noqa: E402
 
 def _routed(rank: int, size: int, port: int) -> None:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
+    import tcoll.torch  # noqa: F401 - registers "tcoll" where no entry point does (a source checkout)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("cpu:tcoll,meta:fake,cuda:gloo", rank=rank, world_size=size,
@@ -73,6 +74,7 @@ def test_cpu_tcoll_beside_another_device_backend_2_ranks() -> None:
 
 
 def _nccl_missing(rank: int, size: int, port: int) -> None:
+    import tcoll.torch  # noqa: F401
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     with pytest.raises(RuntimeError, match="no NCCL"):
         dist.init_process_group("cpu:tcoll,cuda:nccl", rank=rank, world_size=size,

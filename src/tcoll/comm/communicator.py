@@ -17,7 +17,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, uneven
+from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, staging, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .core import CommCore
 from .dispatch import Dispatcher
@@ -403,3 +403,6 @@ def _close_all() -> None:
         sys.stdout.flush()
         logging.shutdown()  # (os._exit skips the exit handlers registered before tcoll's: flush the logs)
         os._exit(1)
+
+
+staging.install(Communicator)  # CUDA buffers in every call that takes buffers, through host staging
