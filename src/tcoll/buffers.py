@@ -62,6 +62,10 @@ def _to_ndarray(obj: Any, what: str, writable: bool = False) -> np.ndarray:
     try:
         view = memoryview(obj)
     except TypeError:
+        if hasattr(obj, "__cuda_array_interface__"):  # a device array in a process where calls do not stage
+            raise TypeError(f"{what} is a CUDA array ({type(obj).__name__}); tcoll stages CUDA buffers through "
+                            "host memory where torch with CUDA (or CuPy) was imported before tcoll.init, or with "
+                            "TCOLL_GPU=staging (docs/gpu.md)") from None
         raise TypeError(
             f"{what} must be a NumPy array, a PyTorch CPU tensor, or support the buffer "
             f"protocol; got {type(obj).__name__}"

@@ -12,9 +12,10 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Settings", "parse_size", "read_variables", "TRANSPORT_CHOICES"]
+__all__ = ["Settings", "parse_size", "read_variables", "TRANSPORT_CHOICES", "GPU_CHOICES"]
 
 TRANSPORT_CHOICES = ("auto", "shm", "tcp", "mpi")
+GPU_CHOICES = ("auto", "staging", "nccl")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
 _SIZE_FIELDS = ("shm_ring", "shm_chunk", "eager_limit", "coll_chunk", "shm_slot", "shm_one_step")
@@ -108,6 +109,8 @@ class Settings:
             in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
+        gpu: how calls move CUDA buffers: "auto" or "staging" (through pinned host memory, ordered on
+            the caller's stream: tcoll.comm.staging); "nccl" is not built yet (TCOLL_GPU).
     """
 
     timeout: float = 300.0
@@ -128,6 +131,7 @@ class Settings:
     shm_one_step: int = -1
     shm_kernel: str = "auto"
     algorithms: str = ""
+    gpu: str = "auto"
 
     _ENV = {
         "timeout": ("TCOLL_TIMEOUT", float),
@@ -148,6 +152,7 @@ class Settings:
         "shm_one_step": ("TCOLL_SHM_ONE_STEP", parse_size),
         "shm_kernel": ("TCOLL_SHM_KERNEL", str),
         "algorithms": ("TCOLL_ALGO", str),
+        "gpu": ("TCOLL_GPU", str),
     }
 
     @classmethod
@@ -211,6 +216,11 @@ class Settings:
             raise ValueError(f"shm_one_step must be a byte count (or -1, the default), not {self.shm_one_step}")
         if self.shm_kernel not in ("auto", "off"):
             raise ValueError(f"shm_kernel must be 'auto' or 'off', not {self.shm_kernel!r}")
+        if self.gpu == "nccl":
+            raise ValueError("gpu='nccl' (TCOLL_GPU): tcoll's NCCL path is not built yet; CUDA buffers move "
+                             "through host staging ('auto' or 'staging')")
+        if self.gpu not in GPU_CHOICES:
+            raise ValueError(f"gpu (TCOLL_GPU) must be one of {GPU_CHOICES}, not {self.gpu!r}")
         if self.bind not in ("auto", "none"):
             raise ValueError(f"bind must be 'auto' or 'none', not {self.bind!r}")
         if self.spin_us < 0 or self.spin_yield_us < 0 or self.liveness_interval <= 0:

@@ -17,7 +17,7 @@ from ..p2p.engine import Engine
 from ..p2p.work import Work
 from ..shm.heap import heap_of
 from ..transport.base import Transport
-from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, survival, uneven
+from . import groups, movement, objects, pairs, parcels, plans, prefix, reductions, staging, survival, uneven
 from .checks import MAX_TAG, check_peer, check_tag
 from .core import CommCore
 from .dispatch import Dispatcher
@@ -132,6 +132,7 @@ class Communicator:
         dispatch = Dispatcher(engine, world, 2 * context + 1, run_id, engine.settings.timeout)
         self.core = CommCore(engine, dispatch, world, 2 * context, transports)
         self.core.survival = survival.Survival(self.core)
+        staging.install_once(type(self), engine.settings.gpu)  # CUDA buffers in every call, where a GPU may be
         self._close_lock = threading.Lock()
 
     @property
@@ -415,3 +416,4 @@ def _close_all() -> None:
         sys.stdout.flush()
         logging.shutdown()  # (os._exit skips the exit handlers registered before tcoll's: flush the logs)
         os._exit(1)
+

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..store.torch_store import TorchStore
-from . import worlds
+from . import devices, worlds
 from .work import seconds
 
 if TYPE_CHECKING:
@@ -100,6 +100,9 @@ def _master_host(store: Any) -> str | None:
 def create_backend(options: Any, backend_options: Any = None) -> ProcessGroupTcoll:
     """torch's creator for "tcoll" (extended API): the group's process group over a tcoll communicator.
 
+    For a backend string that gives other devices to other backends ("cpu:tcoll,cuda:nccl"), the group
+    also builds those backends and routes their devices' tensors to them (tcoll.torch.devices).
+
     Args:
         options: torch's _DistributedBackendOptions (store, group_rank, group_size, timeout, group_id,
             global_ranks_in_group).
@@ -112,9 +115,14 @@ def create_backend(options: Any, backend_options: Any = None) -> ProcessGroupTco
     master = _master_host(options.store)
     from .process_group import ProcessGroupTcoll  # noqa: F811 - imported here: it imports this module's users
 
+    others, pg_options = devices.other_devices()  # "cpu:tcoll,cuda:nccl": the devices torch leaves to tcoll
     if not global_ranks or not dist.is_initialized():  # the default group: a world of its own
-        return ProcessGroupTcoll(worlds.open_world(store, rank, size, timeout, master, default=True))
-    return ProcessGroupTcoll(worlds.open_group(store, rank, size, global_ranks, timeout, master))
+        pg = ProcessGroupTcoll(worlds.open_world(store, rank, size, timeout, master, default=True))
+    else:
+        pg = ProcessGroupTcoll(worlds.open_group(store, rank, size, global_ranks, timeout, master))
+    if others:
+        pg._routes = devices.attach(pg, others, options, pg_options if backend_options is None else backend_options)
+    return pg
 
 
 def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:

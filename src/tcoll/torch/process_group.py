@@ -47,7 +47,7 @@ from ..comm.communicator import Communicator
 from ..comm.pairs import ANY_SOURCE
 from ..errors import TcollError
 from ..errors import TimeoutError as TcollTimeout
-from . import BACKEND_NAME, movement, worlds
+from . import BACKEND_NAME, devices, movement, worlds
 from .plans import AllReducePlans
 from .reduce_ops import HASH_IS_VALUE, SIMPLE_OPS, reduction
 from .sparse import all_reduce_sparse
@@ -79,6 +79,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._group_desc = ""
         self._sequence = 0
         self._plans = AllReducePlans(comm)  # a small tensor's all_reduce, bound once (see .plans)
+        self._routes: dict[str, Any] = {}  # device type -> the c10d Backend serving it (tcoll.torch.devices)
 
     # -- identity -------------------------------------------------------------------
 
@@ -196,6 +197,9 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         return src, name, finisher(src, t, int_avg, self.comm.size)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TcollWork:
+        if self._routes and devices.device_of(tensors) in self._routes:  # "cpu:tcoll,cuda:nccl"'s CUDA half
+            backend = self._routes[devices.device_of(tensors)]
+            return backend.allreduce(tensors) if opts is None else backend.allreduce(tensors, opts)
         opts = opts if opts is not None else dist.AllreduceOptions()
         if len(tensors) == 1:  # the common case, kept short: it is DDP's and the latency benchmark's
             t = tensors[0]
@@ -473,3 +477,6 @@ class ProcessGroupTcoll(dist.ProcessGroup):
 
     def _shut_down(self) -> TcollError:
         return TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")
+
+
+devices.install(ProcessGroupTcoll)

@@ -303,7 +303,9 @@ def chain(pg: ProcessGroupTcoll, works: list[TcollWork], outputs: list[torch.Ten
         for work in works:
             work.wait()
 
-    pending = [_Waitable(w) for w in works if w._pending]
+    # A Work that is not tcoll's (a call routed to another device's backend, tcoll.torch.devices) is waited as is.
+    pending = [_Waitable(w) if isinstance(w, TcollWork) else _Foreign(w) for w in works
+               if not isinstance(w, TcollWork) or w._pending]
     return TcollWork(pg, outputs, pending, finish)
 
 
@@ -326,3 +328,22 @@ class _Waitable:
 def result_of(work: Any) -> Any:
     """The value of a tcoll call: the Work's result if it was started async, else the value itself."""
     return work.result() if hasattr(work, "result") and hasattr(work, "done") else work
+
+
+class _Foreign:
+    """Lets a TcollWork wait for another backend's torch Work as if it were a tcoll Work."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self, timeout: float | None = None) -> None:
+        if timeout:
+            self.work.wait(datetime.timedelta(seconds=timeout))
+        else:
+            self.work.wait()
+
+    def done(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def exception(self) -> BaseException | None:
+        return None if self.work.is_success() else self.work.exception()
