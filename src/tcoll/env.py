@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Settings", "parse_size", "read_variables", "TRANSPORT_CHOICES"]
+__all__ = ["Settings", "parse_bool", "parse_size", "read_variables", "TRANSPORT_CHOICES"]
 
 TRANSPORT_CHOICES = ("auto", "shm", "tcp", "mpi")
 
@@ -39,6 +39,22 @@ def parse_size(text: str | int) -> int:
     if not match:
         raise ValueError(f"not a byte size: {text!r} (examples: 4096, 256K, 4MiB, 1G)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_bool(text: str | bool) -> bool:
+    """Parse a switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case).
+
+    Raises:
+        ValueError: the text is neither.
+    """
+    if isinstance(text, bool):
+        return text
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a switch: {text!r} (1/0, true/false, yes/no, on/off)")
 
 
 def read_variables(spec: Mapping[str, tuple[str, Callable[[str], Any]]],
@@ -108,6 +124,8 @@ class Settings:
             in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
+        keep_going: the job runs on when a rank dies: set by `tcoll run --keep-going`, which then
+            lets the survivors run to their end instead of stopping them (TCOLL_KEEP_GOING).
     """
 
     timeout: float = 300.0
@@ -128,6 +146,7 @@ class Settings:
     shm_one_step: int = -1
     shm_kernel: str = "auto"
     algorithms: str = ""
+    keep_going: bool = False
 
     _ENV = {
         "timeout": ("TCOLL_TIMEOUT", float),
@@ -148,6 +167,7 @@ class Settings:
         "shm_one_step": ("TCOLL_SHM_ONE_STEP", parse_size),
         "shm_kernel": ("TCOLL_SHM_KERNEL", str),
         "algorithms": ("TCOLL_ALGO", str),
+        "keep_going": ("TCOLL_KEEP_GOING", parse_bool),
     }
 
     @classmethod
