@@ -124,6 +124,10 @@ class Settings:
             in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
+        tcp_dead_after: seconds after which a TCP peer that answers nothing (its host gone
+            without closing the connection: power, link, kernel) counts as lost, through TCP
+            keep-alive probes while the connection is idle and TCP_USER_TIMEOUT while data is
+            unacknowledged; at least 1; 0 leaves the kernel's defaults (hours) (TCOLL_TCP_DEAD_AFTER).
         keep_going: the job runs on when a rank dies: set by `tcoll run --keep-going`, which then
             lets the survivors run to their end instead of stopping them (TCOLL_KEEP_GOING).
     """
@@ -146,6 +150,7 @@ class Settings:
     shm_one_step: int = -1
     shm_kernel: str = "auto"
     algorithms: str = ""
+    tcp_dead_after: float = 5.0
     keep_going: bool = False
 
     _ENV = {
@@ -167,6 +172,7 @@ class Settings:
         "shm_one_step": ("TCOLL_SHM_ONE_STEP", parse_size),
         "shm_kernel": ("TCOLL_SHM_KERNEL", str),
         "algorithms": ("TCOLL_ALGO", str),
+        "tcp_dead_after": ("TCOLL_TCP_DEAD_AFTER", float),
         "keep_going": ("TCOLL_KEEP_GOING", parse_bool),
     }
 
@@ -235,3 +241,5 @@ class Settings:
             raise ValueError(f"bind must be 'auto' or 'none', not {self.bind!r}")
         if self.spin_us < 0 or self.spin_yield_us < 0 or self.liveness_interval <= 0:
             raise ValueError("spin_us and spin_yield_us must be >= 0 and liveness_interval > 0")
+        if self.tcp_dead_after != 0 and not 1 <= self.tcp_dead_after <= 86400:
+            raise ValueError(f"tcp_dead_after must be 0 (off) or 1..86400 seconds, not {self.tcp_dead_after}")

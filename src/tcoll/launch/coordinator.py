@@ -38,8 +38,9 @@ PREFIX = "tcoll/launch/"
 _ABORT = PREFIX + "abort"
 _FAILURES = PREFIX + "failures"
 _WATCH_PERIOD = 1.0  # seconds a watcher blocks on the abort key between heartbeats
-# Seconds a store request may take before the store counts as lost: a host
-# that vanished without closing its sockets shows up as requests timing out.
+# Seconds a store request may take before the store counts as lost. A host that
+# vanished without closing its sockets fails the connection sooner, after
+# TCOLL_TCP_DEAD_AFTER (tcoll.keepalive); this catches a store that hangs.
 _REQUEST_TIMEOUT = 15.0
 
 
