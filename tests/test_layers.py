@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "tcoll"
 
 # Lowest first. A module may import its own package and any lower layer.
 LAYERS: list[set[str]] = [
-    {"errors", "env", "ops", "buffers", "native"},
+    {"errors", "env", "ops", "buffers", "native", "keepalive"},
     {"segments"},
     {"store"},
     {"p2p"},

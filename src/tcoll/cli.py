@@ -63,7 +63,7 @@ def _env_pair(text: str) -> tuple[str, str]:
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Fill the ``tcoll run`` subparser."""
     parser.usage = ("tcoll run [-n N] [--nnodes M --node-rank R --master ADDR:PORT] [--run-id ID] "
-                    "[--no-prefix] [options] (-m module | script.py) [args ...]")
+                    "[--no-prefix] [--keep-going] [options] (-m module | script.py) [args ...]")
     parser.add_argument("-n", "--nprocs", "--nproc-per-node", type=int, default=1, metavar="N",
                         help="ranks to start on this node (default: 1)")
     parser.add_argument("--nnodes", type=int, default=1, metavar="M",
@@ -84,6 +84,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set a variable in every rank (repeatable)")
     parser.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
                         help="time between SIGTERM and SIGKILL when stopping ranks (default: 3)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="when a rank dies, report it and let the others run on (default: stop them all); "
+                             "the exit code is still the first failure's")
     parser.add_argument("--join-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="time to wait for the store and the other nodes (default: 300)")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="module",
@@ -113,7 +116,8 @@ def _run(args: argparse.Namespace) -> int:
     config = LaunchConfig(command=command, nprocs=args.nprocs, nnodes=args.nnodes,
                           node_rank=args.node_rank, master_addr=host, master_port=port,
                           run_id=args.run_id, env=dict(args.env), prefix=args.prefix,
-                          stop_timeout=args.grace, join_timeout=args.join_timeout)
+                          stop_timeout=args.grace, join_timeout=args.join_timeout,
+                          keep_going=args.keep_going)
     from tcoll.launch.runner import launch  # only `run` pays for importing the runner
 
     return launch(config)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Settings", "parse_size", "read_variables", "TRANSPORT_CHOICES", "GPU_CHOICES"]
+__all__ = ["Settings", "parse_bool", "parse_size", "read_variables", "TRANSPORT_CHOICES", "GPU_CHOICES"]
 
 TRANSPORT_CHOICES = ("auto", "shm", "tcp", "mpi")
 GPU_CHOICES = ("auto", "staging", "nccl")
@@ -40,6 +40,22 @@ def parse_size(text: str | int) -> int:
     if not match:
         raise ValueError(f"not a byte size: {text!r} (examples: 4096, 256K, 4MiB, 1G)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_bool(text: str | bool) -> bool:
+    """Parse a switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case).
+
+    Raises:
+        ValueError: the text is neither.
+    """
+    if isinstance(text, bool):
+        return text
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a switch: {text!r} (1/0, true/false, yes/no, on/off)")
 
 
 def read_variables(spec: Mapping[str, tuple[str, Callable[[str], Any]]],
@@ -111,6 +127,12 @@ class Settings:
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
         gpu: how calls move CUDA buffers: "auto" or "staging" (through pinned host memory, ordered on
             the caller's stream: tcoll.comm.staging); "nccl" is not built yet (TCOLL_GPU).
+        tcp_dead_after: seconds after which a TCP peer that answers nothing (its host gone
+            without closing the connection: power, link, kernel) counts as lost, through TCP
+            keep-alive probes while the connection is idle and TCP_USER_TIMEOUT while data is
+            unacknowledged; at least 1; 0 leaves the kernel's defaults (hours) (TCOLL_TCP_DEAD_AFTER).
+        keep_going: the job runs on when a rank dies: set by `tcoll run --keep-going`, which then
+            lets the survivors run to their end instead of stopping them (TCOLL_KEEP_GOING).
     """
 
     timeout: float = 300.0
@@ -132,6 +154,8 @@ class Settings:
     shm_kernel: str = "auto"
     algorithms: str = ""
     gpu: str = "auto"
+    tcp_dead_after: float = 5.0
+    keep_going: bool = False
 
     _ENV = {
         "timeout": ("TCOLL_TIMEOUT", float),
@@ -153,6 +177,8 @@ class Settings:
         "shm_kernel": ("TCOLL_SHM_KERNEL", str),
         "algorithms": ("TCOLL_ALGO", str),
         "gpu": ("TCOLL_GPU", str),
+        "tcp_dead_after": ("TCOLL_TCP_DEAD_AFTER", float),
+        "keep_going": ("TCOLL_KEEP_GOING", parse_bool),
     }
 
     @classmethod
@@ -225,3 +251,5 @@ class Settings:
             raise ValueError(f"bind must be 'auto' or 'none', not {self.bind!r}")
         if self.spin_us < 0 or self.spin_yield_us < 0 or self.liveness_interval <= 0:
             raise ValueError("spin_us and spin_yield_us must be >= 0 and liveness_interval > 0")
+        if self.tcp_dead_after != 0 and not 1 <= self.tcp_dead_after <= 86400:
+            raise ValueError(f"tcp_dead_after must be 0 (off) or 1..86400 seconds, not {self.tcp_dead_after}")

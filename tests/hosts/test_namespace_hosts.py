@@ -66,6 +66,35 @@ def test_link_down_is_peer_lost_within_ten_seconds_naming_the_hosts_ranks(tmp_pa
         assert found["at"] - down_at < 10, f"rank {rank} noticed after {found['at'] - down_at:.1f} s: {found}"
 
 
+@pytest.mark.timeout(90)
+def test_a_vanished_host_is_peer_lost_within_tcoll_tcp_dead_after_and_its_launcher_loses_the_store(
+        tmp_path: Path) -> None:
+    """Host 1 is cut off while rank 0 (host 0) waits, idle, to receive from it; no socket is closed.
+
+    Keep-alive (TCOLL_TCP_DEAD_AFTER=2) fails rank 0's connection: PeerLostError naming rank 1, long
+    before TCOLL_TIMEOUT (60). Host 1's launcher finds the store gone as fast (its store client has the
+    same limit; before, a request had to time out after 15 s).
+    """
+    worker = str(Path(__file__).with_name("silent_worker.py"))
+    dead_after, liveness = 2.0, 1.0
+    with netns.namespace_hosts(2) as hosts:
+        procs = hosts.tcoll_run(1, [worker, str(tmp_path)],
+                                env={"TCOLL_TIMEOUT": "60", "TCOLL_TCP_DEAD_AFTER": str(dead_after)})
+        for rank in range(2):
+            wait_file(tmp_path / f"ready{rank}", 60)
+        down_at = time.time()
+        hosts.link_down(1)
+        wait_file(tmp_path / "rank0.json", 30)
+        [(code1, out1)] = netns.wait_all(procs[1:], 30)
+        launcher_done = time.time()
+    found = json.loads((tmp_path / "rank0.json").read_text())
+    assert found["error"] == "PeerLostError" and "rank 1" in found["text"], found
+    noticed = found["at"] - down_at
+    assert noticed < dead_after + liveness + 4, f"rank 0 noticed after {noticed:.1f} s: {found}"
+    assert code1 == 1 and "lost the tcoll store" in out1, out1[-3000:]
+    assert launcher_done - down_at < 12, f"host 1's launcher took {launcher_done - down_at:.1f} s:\n{out1[-3000:]}"
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["TCOLL_INTERHOST", "TCOLL_TRANSPORT"])
 def test_mpiexec_across_hosts_every_collective_over_mpi(tmp_path: Path, mode: str) -> None:

@@ -28,6 +28,8 @@ PYTHONUNBUFFERED            "1", so output reaches the launcher at once
 OMP_NUM_THREADS             "1" when several ranks start and it is not set
                             (as torchrun does: a thread pool per core in every
                             rank would oversubscribe the cores many times over)
+TCOLL_KEEP_GOING            "1" with --keep-going (the survivors of a dead rank
+                            run on), else unset
 ==========================  ================================================
 """
 
@@ -113,6 +115,8 @@ class LaunchConfig:
         tail_lines: lines of each rank's stderr kept to show when it fails.
         join_timeout: seconds a launcher waits for the store and for the other nodes.
         python: the interpreter that runs the ranks.
+        keep_going: when a rank fails, report it and let the others run to their own end
+            (every node of a job must agree); False: stop the whole job (fail fast).
     """
 
     command: list[str]
@@ -128,6 +132,7 @@ class LaunchConfig:
     tail_lines: int = 20
     join_timeout: float = 300.0
     python: str = sys.executable
+    keep_going: bool = False
 
     @property
     def world_size(self) -> int:
@@ -196,4 +201,8 @@ class LaunchConfig:
         })
         if self.nprocs > 1:  # as torchrun does: ranks sharing a host's cores must not each start a thread pool per core
             env.setdefault("OMP_NUM_THREADS", "1")
+        if self.keep_going:
+            env["TCOLL_KEEP_GOING"] = "1"
+        else:
+            env.pop("TCOLL_KEEP_GOING", None)  # the launcher's choice, not an inherited one
         return env

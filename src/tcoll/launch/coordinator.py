@@ -2,20 +2,25 @@
 
 Keys, all under ``tcoll/launch/`` (the ranks' own keys live elsewhere):
 
-- ``run_id``, ``nprocs``: set by node 0; the other nodes adopt the run id and
-  check that they start as many ranks.
-- ``status/<node>``: ``running``, ``succeeded``, ``failed`` or ``interrupted``.
+- ``run_id``, ``nprocs``, ``keep_going``: set by node 0; the other nodes adopt
+  the run id and check that they start as many ranks, and agree on --keep-going.
+- ``status/<node>``: ``running``, ``succeeded``, ``ended`` (every rank ended,
+  some failed: --keep-going), ``failed`` or ``interrupted``.
 - ``abort``: JSON ``{"node", "rank", "code", "reason"}``, set by the first
   launcher that sees a local rank fail (or is interrupted); every launcher
   watches it and stops its ranks when it appears.
 - ``beat/<node>``: a counter each launcher bumps about once a second, so node 0
   (which must keep the store up until every node is done) notices a launcher
   that died without a word.
-- ``done/<node>``: 1 once all the ranks of that node exited 0.
+- ``done/<node>``: 1 once all the ranks of that node exited 0 (or, with
+  --keep-going, exited at all).
 - ``rows/<node>``: JSON, the hang report's rows of the ranks on that node
   (tcoll.launch.hangs.HangWatch), rewritten when they change.
 - ``dump``: a counter a launcher bumps when its report asks every rank for its
   flight-recorder dump.
+- ``failures`` and ``failure/<n>`` (n = 1, 2, ...): with --keep-going, where a
+  launcher records each local rank that failed (JSON as ``abort``, n from the
+  counter, so ``failure/1`` is the job's first), instead of announcing an abort.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ __all__ = ["PREFIX", "NodeCoordinator", "RemoteFailure", "connect_store"]
 
 PREFIX = "tcoll/launch/"
 _ABORT = PREFIX + "abort"
+_FAILURES = PREFIX + "failures"
 _WATCH_PERIOD = 1.0  # seconds a watcher blocks on the abort key between heartbeats
-# Seconds a store request may take before the store counts as lost: a host
-# that vanished without closing its sockets shows up as requests timing out.
+# Seconds a store request may take before the store counts as lost. A host that
+# vanished without closing its sockets fails the connection sooner, after
+# TCOLL_TCP_DEAD_AFTER (tcoll.keepalive); this catches a store that hangs.
 _REQUEST_TIMEOUT = 15.0
 
 
@@ -61,6 +68,12 @@ class RemoteFailure:
 def _text(value: Any) -> str:
     """Decode a store value to text, whether the store returns bytes or str."""
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _failure(raw: Any) -> RemoteFailure:
+    """Decode the JSON of an ``abort`` or ``failure/<n>`` key."""
+    info = json.loads(_text(raw))
+    return RemoteFailure(int(info["node"]), int(info["rank"]), int(info["code"]), str(info["reason"]))
 
 
 def connect_store(host: str, port: int, timeout: float, connect_timeout: float,
@@ -109,6 +122,8 @@ class NodeCoordinator:
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._beats: dict[int, tuple[int, float]] = {}
+        self._seen_failures = 0  # failure/<n> keys the watcher has read
+        self._remote_failures: list[RemoteFailure] = []  # appended by the watcher, taken by the main thread
         self.failure: RemoteFailure | None = None
         self.lost = ""
 
@@ -129,16 +144,21 @@ class NodeCoordinator:
         self._watcher_store = self._connect(*where, _REQUEST_TIMEOUT, cfg.join_timeout)
         if cfg.node_rank == 0:
             self._main.set(PREFIX + "nprocs", str(cfg.nprocs).encode())
-            self._main.set(PREFIX + "run_id", cfg.run_id.encode())
+            self._main.set(PREFIX + "keep_going", str(int(cfg.keep_going)).encode())
+            self._main.set(PREFIX + "run_id", cfg.run_id.encode())  # last: the others wait for it
             run_id = cfg.run_id
         else:
             run_id = _text(self._main.get(PREFIX + "run_id", timeout=cfg.join_timeout))
             nprocs = int(_text(self._main.get(PREFIX + "nprocs", timeout=cfg.join_timeout)))
+            keep_going = _text(self._main.get(PREFIX + "keep_going", timeout=cfg.join_timeout)) == "1"
             if cfg.run_id and cfg.run_id != run_id:
                 raise ValueError(f"--run-id {cfg.run_id} differs from node 0's {run_id}")
             if nprocs != cfg.nprocs:
                 raise ValueError(f"node 0 starts {nprocs} ranks per node, this node {cfg.nprocs}: "
                                  "every node needs the same -n")
+            if keep_going != cfg.keep_going:
+                raise ValueError(f"node 0 runs {'with' if keep_going else 'without'} --keep-going, this node "
+                                 f"{'with' if cfg.keep_going else 'without'}: every node needs the same")
         self.publish("running")
         self._thread = threading.Thread(target=self._watch, name="tcoll-launch-watch", daemon=True)
         self._thread.start()
@@ -151,6 +171,8 @@ class NodeCoordinator:
             began = time.monotonic()
             try:
                 self._watcher_store.add(beat, 1)
+                if self._config.keep_going:
+                    self._read_failures()
                 raw = self._watcher_store.get(_ABORT, timeout=_WATCH_PERIOD)
             except builtins.TimeoutError as exc:
                 if time.monotonic() - began < _WATCH_PERIOD + _REQUEST_TIMEOUT / 2:
@@ -164,22 +186,59 @@ class NodeCoordinator:
                     self.lost = f"{type(exc).__name__}: {exc}"
                     self._notify()
                 return
-            info = json.loads(_text(raw))
-            if info["node"] != self._config.node_rank:
-                self.failure = RemoteFailure(int(info["node"]), int(info["rank"]),
-                                             int(info["code"]), str(info["reason"]))
+            failure = _failure(raw)
+            if failure.node != self._config.node_rank:
+                self.failure = failure
                 self._notify()
             return
+
+    def _read_failures(self) -> None:
+        """(Watcher thread) Collect the failures other launchers recorded since the last look."""
+        count = int(self._watcher_store.add(_FAILURES, 0))
+        while self._seen_failures < count:
+            self._seen_failures += 1
+            failure = _failure(self._watcher_store.get(f"{PREFIX}failure/{self._seen_failures}",
+                                                       timeout=_REQUEST_TIMEOUT))
+            if failure.node != self._config.node_rank:
+                self._remote_failures.append(failure)
+                self._notify()
+
+    def note_failure(self, rank: int, code: int, reason: str) -> None:
+        """With keep_going: record a local rank's failure for the other launchers (best effort).
+
+        Args:
+            rank: the failed global rank.
+            code: its exit code (128 + N for signal N).
+            reason: e.g. ``"was killed by SIGKILL"``.
+        """
+        info = json.dumps({"node": self._config.node_rank, "rank": rank, "code": code, "reason": reason}).encode()
+        number = self._best_effort(functools.partial(self._main.add, _FAILURES, 1))
+        if number is not None:
+            self._best_effort(functools.partial(self._main.set, f"{PREFIX}failure/{number}", info))
+
+    def take_failures(self) -> list[RemoteFailure]:
+        """The failures on other nodes the watcher found since the last call (keep_going only)."""
+        taken = len(self._remote_failures)
+        found, self._remote_failures[:taken] = self._remote_failures[:taken], []
+        return found
+
+    def first_failure(self) -> RemoteFailure | None:
+        """The job's first recorded failure on any node (keep_going), or None (also without the store)."""
+        if not self._best_effort(functools.partial(self._main.add, _FAILURES, 0)):
+            return None
+        raw = self._best_effort(functools.partial(self._main.get, f"{PREFIX}failure/1", timeout=_REQUEST_TIMEOUT))
+        return None if raw is None else _failure(raw)
 
     def publish(self, status: str) -> None:
         """Record this node's status in the store (best effort: the store may be gone).
 
         Args:
-            status: ``running``, ``succeeded``, ``failed`` or ``interrupted``.
+            status: ``running``, ``succeeded``, ``ended`` (keep_going: every rank ended, some
+                failed), ``failed`` or ``interrupted``.
         """
         self._best_effort(lambda: self._main.set(f"{PREFIX}status/{self._config.node_rank}",
                                                  status.encode()))
-        if status == "succeeded":
+        if status in ("succeeded", "ended"):
             self._best_effort(lambda: self._main.add(f"{PREFIX}done/{self._config.node_rank}", 1))
 
     def abort(self, rank: int, code: int, reason: str) -> None:

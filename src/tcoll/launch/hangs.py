@@ -143,9 +143,19 @@ def _chain(rows: dict[int, Rank], cycle: list[int]) -> str:
     return "".join(words)
 
 
-def verdict(rows: dict[int, Rank], size: int) -> str:
-    """The culprit in words (see the module docstring)."""
+def verdict(rows: dict[int, Rank], size: int, exited: dict[int, str] | None = None) -> str:
+    """The culprit in words (see the module docstring).
+
+    Args:
+        rows: the live ranks' rows.
+        size: the world size.
+        exited: how ranks known to have ended did ("was killed by SIGKILL"), where the launcher saw it.
+    """
+    exited = exited or {}
     waited_on = sorted({peer for row in rows.values() for peer in row.peers})
+    for peer in waited_on:
+        if peer not in rows and peer in exited:
+            return f"rank {peer} {exited[peer]} (its process is gone); {_ranks(_waiting_on(rows, peer), 'wait')} for it"
     for peer in waited_on:
         if peer not in rows:
             return f"rank {peer} has published nothing (it is gone, or never joined); " \
@@ -184,9 +194,19 @@ def verdict(rows: dict[int, Rank], size: int) -> str:
     return "no rank is in a tcoll call"
 
 
-def report(job: str, states: list[dict[str, Any]], now: float | None = None) -> str:
-    """The report of one job: a header, a row per rank, and the verdict."""
+def report(job: str, states: list[dict[str, Any]], now: float | None = None,
+           exited: dict[int, str] | None = None) -> str:
+    """The report of one job: a header, a row per rank, and the verdict.
+
+    Args:
+        job: the run id.
+        states: the live ranks' published states.
+        now: the time to measure waits against (default: now).
+        exited: ranks that ended, and how ("exited with code 0"), as the launcher saw them;
+            their rows and the verdict say so instead of treating them as silent.
+    """
     now = time.time() if now is None else now
+    exited = {rank: how for rank, how in (exited or {}).items() if rank not in {int(s["rank"]) for s in states}}
     rows = {row.rank: row for row in (Rank(state, now) for state in states)}
     size = max([int(s.get("size", 0)) for s in states] + [0])
     quiet = quiet_for(states, now)
@@ -194,18 +214,20 @@ def report(job: str, states: list[dict[str, Any]], now: float | None = None) -> 
     for rank in range(size):
         row = rows.get(rank)
         if row is None:
-            table.append((str(rank), "(published nothing)", "", "", ""))
+            table.append((str(rank), f"(ended: {exited[rank]})" if rank in exited else "(published nothing)",
+                          "", "", ""))
             continue
         waits = (f"{_ranks(row.peers)}" + (f" ({row.detail})" if row.detail else "")) if row.peers else "-"
         what = (row.call or row.idle) + (" [stopped]" if row.stopped else "")
         table.append((str(rank), what, waits, row.at, f"{row.waited:.0f} s"))
     widths = [max(len(line[k]) for line in table) for k in range(5)]
-    lines = [f"tcoll: hang report for job {job} ({len(rows)} of {size} ranks published; "
+    ended = f"{len(exited)} ended; " if exited else ""
+    lines = [f"tcoll: hang report for job {job} ({len(rows)} of {size} ranks published; {ended}"
              f"no progress for {quiet:.0f} s)"]
     for line in table:
         lines.append("  " + "  ".join([line[0].rjust(widths[0]), *(line[k].ljust(widths[k]) for k in (1, 2, 3)),
                                        line[4].rjust(widths[4])]).rstrip())
-    lines.append(f"verdict: {verdict(rows, size)}")
+    lines.append(f"verdict: {verdict(rows, size, exited)}")
     return "\n".join(lines)
 
 
@@ -331,6 +353,7 @@ class HangWatch:
         self.shared: Any = None  # the rows this node sent last
         self.dumps = 0  # the other nodes' requests for dumps, served so far
         self.kept: Any = None  # the other hosts' rows last written beside this host's (OTHER_HOSTS)
+        self.exited: dict[int, str] = {}  # set by the launcher as ranks end: rank -> "was killed by SIGKILL"
 
     def check(self) -> None:
         """Look at the ranks about once a second; report a hang once per state of the job."""
@@ -358,7 +381,7 @@ class HangWatch:
             self._report(states)
 
     def _report(self, states: list[dict[str, Any]]) -> None:
-        self.say(report(self.job, states))
+        self.say(report(self.job, states, exited=self.exited))
         ask_dump(self.job)
         if self.nodes is not None:
             self.nodes.ask_dump()  # the other hosts' ranks dump too

@@ -1,5 +1,8 @@
 """Start the ranks of one node, watch them, stop them all when one fails, and clean up.
 
+With ``keep_going`` (``tcoll run --keep-going``) a failed rank is reported and
+the others run on to their own end; the launcher then returns the failure's code.
+
 The node's launcher hosts the tcoll store when it is node 0, starts every
 rank with the environment of `tcoll.launch.config`, forwards its output
 through `tcoll.launch.output`, and with several nodes keeps in touch with the
@@ -103,6 +106,8 @@ class Runner:
         self._old_wakeup_fd: int | None = None
         self._hangs: HangWatch | None = None  # the hang report (tcoll.launch.hangs), once the ranks run
         self._report_asked = False  # SIGUSR1 came: report where the ranks are
+        self._failures: list[tuple[RankProcess, bool]] = []  # with keep_going: (failed rank, its error an echo)
+        self._ran_out = False  # every local rank exited by itself (none was stopped)
 
     def run(self) -> int:
         """Start the store and the ranks, supervise them, clean up; return the exit code."""
@@ -114,8 +119,8 @@ class Runner:
                                     self._coord, primary=self.config.node_rank == 0)
             self._spawn_all(store, torch_port)
             code = self._supervise()
-            if code == 0 and self._coord is not None:
-                code = self._finish_multinode()
+            if self._ran_out and self._coord is not None:
+                code = self._finish_multinode(code)
             return code
         except _Interrupted as exc:
             name = signal.Signals(exc.signum).name
@@ -258,26 +263,31 @@ class Runner:
 
     # -- supervision -----------------------------------------------------------------
 
-    def _reap(self) -> RankProcess | None:
-        """Forget the ranks that exited; return the first one that failed, if any."""
-        failed = None
+    def _reap(self) -> list[RankProcess]:
+        """Forget the ranks that exited (the hang report learns how); return those that failed."""
+        failed = []
         for entry in list(self._alive):
             if entry.reap():
                 self._alive.remove(entry)
-                if entry.proc.returncode != 0 and failed is None:
-                    failed = entry
+                if self._hangs is not None:
+                    self._hangs.exited[entry.rank] = describe_exit(entry.proc.returncode)
+                if entry.proc.returncode != 0:
+                    failed.append(entry)
         return failed
 
     def _supervise(self) -> int:
-        """Wait until every rank exits 0, or something fails; return the exit code."""
+        """Wait until every rank exits, or something stops the job; return the exit code."""
         while True:
             if self._signals:
                 return self._on_interrupt(self._signals[0])
             failed = self._reap()
-            if failed is not None:
-                return self._on_rank_failure(self._cause(failed))
+            if failed and not self.config.keep_going:
+                return self._on_rank_failure(self._cause(failed[0]))
+            for entry in failed:
+                self._note_failure(entry)
             if not self._alive:
-                return 0
+                self._ran_out = True
+                return self._kept_code()
             code = self._check_remote()
             if code is not None:
                 return code
@@ -310,14 +320,29 @@ class Runner:
                         return entry
         return first
 
+    def _note_failure(self, failed: RankProcess) -> None:
+        """With keep_going: report a failed rank, tell the other nodes, and let the others run on."""
+        self._failures.append((failed, _is_echo(failed)))
+        line = _failure_line(failed)
+        if self._alive:
+            others = "the other local rank goes" if len(self._alive) == 1 else \
+                f"the other {len(self._alive)} local ranks go"
+            line += f"; {others} on (--keep-going)"
+        self._sink.message(line)
+        if self._coord is not None:
+            self._coord.note_failure(failed.rank, exit_code(failed.proc.returncode),
+                                     describe_exit(failed.proc.returncode))
+
+    def _kept_code(self) -> int:
+        """The exit code once every rank ended: the first failure that is a cause, else the first one, else 0."""
+        causes = [entry for entry, echo in self._failures if not echo] or [entry for entry, _ in self._failures]
+        return exit_code(causes[0].proc.returncode) if causes else 0
+
     def _on_rank_failure(self, failed: RankProcess) -> int:
         """Report a failed rank with its last stderr line, stop the others, return its code."""
         returncode = failed.proc.returncode
         reason = describe_exit(returncode)
-        failed.err.join(_DRAIN_TIMEOUT)  # its group is dead: the pipe ends soon
-        # Its stderr, traceback included, was forwarded above: name the failure in one line, not twice.
-        last = next((line.strip() for line in reversed(failed.err.tail()) if line.strip()), "")
-        lines = [f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}" + (f": {last}" if last else "")]
+        lines = [_failure_line(failed)]
         if self._alive:
             lines.append(f"tcoll run: stopping the other {len(self._alive)} local ranks")
         self._sink.message("\n".join(lines))
@@ -344,6 +369,7 @@ class Runner:
         coord = self._coord
         if coord is None:
             return None
+        self._say_remote_failures(coord)
         if coord.failure is not None:
             self._report_remote(coord.failure)
             self._stop_all(signal.SIGTERM)
@@ -355,6 +381,21 @@ class Runner:
             self._stop_all(signal.SIGTERM)
             return 1
         return None
+
+    def _say_remote_failures(self, coord: NodeCoordinator) -> None:
+        """With keep_going: report the ranks other nodes saw fail since the last look (their nodes go on)."""
+        for failure in coord.take_failures():
+            self._sink.message(f"tcoll run: rank {failure.rank} on node {failure.node} {failure.reason}; "
+                               "the job goes on (--keep-going)")
+
+    def _remote_code(self, coord: NodeCoordinator) -> int:
+        """With keep_going: the code of the job's first failed rank on another node, said once more; else 0."""
+        first = coord.first_failure()
+        if first is None:
+            return 0
+        self._sink.message(f"tcoll run: the job's first failure was rank {first.rank} on node {first.node}, "
+                           f"which {first.reason}")
+        return first.code
 
     def _report_remote(self, failure: RemoteFailure) -> None:
         """Print what another node announced."""
@@ -386,23 +427,28 @@ class Runner:
             entry.proc.wait()
         self._alive.clear()
 
-    def _finish_multinode(self) -> int:
-        """After local success: tell the others; node 0 keeps the store up until all are done.
+    def _finish_multinode(self, code: int) -> int:
+        """Once every local rank ended by itself: tell the others; node 0 keeps the store up until all are done.
+
+        Args:
+            code: the local exit code (non-zero only with keep_going, where a local rank failed).
 
         Returns:
-            0, or the code of a failure that happened on another node meanwhile.
+            `code`; else the code of the job's first failure on another node (keep_going), or of
+            a failure that stopped the job meanwhile.
         """
         coord = self._coord
         assert coord is not None
-        coord.publish("succeeded")
+        coord.publish("succeeded" if code == 0 else "ended")
         if self.config.node_rank != 0:
-            return 0
+            return code or self._remote_code(coord)
         while True:
             pending = coord.pending_nodes()
             if not pending:
-                return 0
+                return code or self._remote_code(coord)
             if self._signals:
                 return self._on_interrupt(self._signals[0])
+            self._say_remote_failures(coord)
             if coord.failure is not None:
                 self._report_remote(coord.failure)
                 return coord.failure.code
@@ -433,6 +479,15 @@ class Runner:
         remove_shm_segments(self.config.run_id)
         if self.config.run_id:
             remove_job(self.config.run_id)  # the ranks' published states (tcoll.p2p.status)
+
+
+def _failure_line(failed: RankProcess) -> str:
+    """"tcoll run: rank 2 (pid 77) was killed by SIGKILL", with the rank's last stderr line."""
+    failed.err.join(_DRAIN_TIMEOUT)  # its group is dead: the pipe ends soon
+    # Its stderr, traceback included, was forwarded already: name the failure in one line, not twice.
+    last = next((line.strip() for line in reversed(failed.err.tail()) if line.strip()), "")
+    reason = describe_exit(failed.proc.returncode)
+    return f"tcoll run: rank {failed.rank} (pid {failed.proc.pid}) {reason}" + (f": {last}" if last else "")
 
 
 def _is_echo(entry: RankProcess) -> bool:

@@ -1,7 +1,7 @@
 """Key-value stores the ranks of a job meet through: memory, file, TCP, and torch's (loaded on first use).
 
 Owns: the Store interface and its implementations, the TCP store's server, its wire format and its limits.
-May import: the leaves only (errors, env); importing tcoll never imports torch through it.
+May import: the leaves only (errors, env, keepalive); importing tcoll never imports torch through it.
 """
 
 from __future__ import annotations

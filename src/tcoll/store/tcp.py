@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 
+from ..keepalive import dead_after_from_env, dead_after_options, set_dead_after
 from ..errors import RendezvousError
 from ..errors import TimeoutError as StoreTimeoutError
 from .base import DEFAULT_TIMEOUT, Store, as_bytes
@@ -70,8 +71,12 @@ class TCPStore(Store):
         server: a server this client owns: `close()` stops it too.
         auth_key: the shared secret, if the server requires one.
         connect_timeout: seconds to keep trying to connect (default: `timeout`).
+        dead_after: seconds after which a server that answers nothing (its host gone without
+            closing the connection) fails the request as a lost store (default:
+            TCOLL_TCP_DEAD_AFTER, see `tcoll.keepalive`; 0: the kernel's defaults).
 
     Raises:
+        ValueError: `dead_after` (or TCOLL_TCP_DEAD_AFTER) is out of range.
         RendezvousError: no store answered at the address within the connect timeout,
             or it refused the key.
     """
@@ -85,9 +90,12 @@ class TCPStore(Store):
         server: TCPStoreServer | None = None,
         auth_key: bytes | str | None = None,
         connect_timeout: float | None = None,
+        dead_after: float | None = None,
     ) -> None:
         super().__init__(timeout)
         self.host, self.port = host, int(port)
+        self._dead_after = dead_after_from_env() if dead_after is None else dead_after
+        dead_after_options(self._dead_after)  # a bad value raises here, before any connection
         self._server = server
         self._auth_key = _key_bytes(auth_key)
         self._lock = threading.Lock()
@@ -190,6 +198,7 @@ class TCPStore(Store):
             _Busy: the server has too many connections (worth retrying).
         """
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_dead_after(sock, self._dead_after)  # a store whose host vanished is a lost store, not a long wait
         mine = os.urandom(NONCE)
         send_frame(sock, encode(Op.HELLO, MAGIC, mine))
         status, fields = self._read_reply(sock, HANDSHAKE_FRAME)  # nothing large from an unproven server

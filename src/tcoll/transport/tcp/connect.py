@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any
 
+from ...keepalive import DEFAULT_DEAD_AFTER, set_dead_after
 from ...errors import TimeoutError, TransportError
 
 __all__ = ["connect_all", "open_listener", "tune_socket"]
@@ -75,21 +76,20 @@ def open_listener(addr: str) -> socket.socket:
     return listener
 
 
-def tune_socket(sock: socket.socket) -> None:
-    """Set the options every data connection uses (no Nagle delay, keep-alive, non-blocking)."""
+def tune_socket(sock: socket.socket, dead_after: float = DEFAULT_DEAD_AFTER) -> None:
+    """Set the options every data connection uses (no Nagle delay, keep-alive, non-blocking).
+
+    Args:
+        sock: a connected TCP socket.
+        dead_after: seconds after which a peer that answers nothing fails the connection
+            (TCOLL_TCP_DEAD_AFTER; see `tcoll.keepalive`): a host that vanished without a
+            FIN or RST is then a PeerLostError, not a wait until TCOLL_TIMEOUT.
+    """
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     # SO_SNDBUF / SO_RCVBUF stay unset: fixed sizes (1-16 MiB) measured no better than the
     # kernel's autotuning on loopback, and setting them turns the autotuning off.
-    # A host that vanishes (its link down: no FIN, no RST) would be noticed after two hours by default.
-    # An idle connection now probes after 2 s and fails after 3 unanswered probes a second apart; one
-    # with data unacknowledged for 5 s fails too (TCP_USER_TIMEOUT): a lost host is a PeerLostError in
-    # under 10 s. The probes cost one small packet per idle connection every 2 s.
-    for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
-                        ("TCP_USER_TIMEOUT", 5000)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    set_dead_after(sock, dead_after)
 
 
 def _digest(key: bytes, role: bytes, nonce: bytes, context: bytes) -> bytes:
@@ -396,7 +396,8 @@ class _Rendezvous:
 
 
 def connect_all(me: int, peers: list[int], cards: list[dict[str, Any]], listener: socket.socket, run_id: str,
-                auth_key: str, timeout: float, check: Callable[[], None] | None = None) -> dict[int, socket.socket]:
+                auth_key: str, timeout: float, check: Callable[[], None] | None = None,
+                dead_after: float = DEFAULT_DEAD_AFTER) -> dict[int, socket.socket]:
     """Connect this rank to every peer: dial the lower ranks, accept the higher ones.
 
     Args:
@@ -408,6 +409,7 @@ def connect_all(me: int, peers: list[int], cards: list[dict[str, Any]], listener
         auth_key: the shared secret ("" for none).
         timeout: seconds for the whole set-up.
         check: called about every 0.25 s while waiting; raises if a peer is known to have died.
+        dead_after: seconds of silence after which a connection fails (see `tune_socket`).
 
     Returns:
         A handshaken, tuned, non-blocking socket per peer.
@@ -426,5 +428,5 @@ def connect_all(me: int, peers: list[int], cards: list[dict[str, Any]], listener
     finally:
         rendezvous.close()
     for sock in links.values():
-        tune_socket(sock)
+        tune_socket(sock, dead_after)
     return links

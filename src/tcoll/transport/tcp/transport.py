@@ -87,7 +87,8 @@ class TcpTransport(Transport):
             raise TransportError("tcp transport: connect() before prepare()")
         try:
             socks = connect_all(self.engine.rank, peers, cards, self._listener, self.run_id,
-                                self.settings.auth_key, timeout, self.peer_check) if peers else {}
+                                self.settings.auth_key, timeout, self.peer_check,
+                                self.settings.tcp_dead_after) if peers else {}
         finally:
             self._listener.close()  # every peer is connected (or failed): refuse later strangers
         channels: dict[int, Channel] = {}
