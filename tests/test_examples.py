@@ -4,7 +4,8 @@ examples/ring.py is the README's demo; examples/collectives/*.py are the six
 collectives of the torch.distributed walk-through, whose printed values are
 checked against NumPy; examples/sgd.py trains data-parallel and checks itself
 against training in one process; examples/heat.py trades halos by sendrecv and
-checks itself against one process.
+checks itself against one process; examples/elastic.py loses a rank mid-step
+and its survivors finish, checked against one process.
 """
 
 from __future__ import annotations
@@ -182,6 +183,23 @@ def test_sgd_example_single_process(sgd_reference: list[float]) -> None:
     assert result.returncode == 0, result.stderr
     _check_sgd_output(result.stdout, 1, sgd_reference)
     assert "trained on 1 rank(s)" in result.stdout
+
+
+# -- examples/elastic.py: a rank dies mid-step, the survivors shrink and finish ---------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_elastic_example_finishes_without_the_rank_that_died(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TCOLL_TRANSPORT", transport)
+    result = _run_own(4, "--keep-going", "examples/elastic.py", "--check")
+    assert result.returncode == 137, result.stderr  # a rank died: the launcher says so in its exit code
+    assert "rank 2" in result.stderr and "killed by SIGKILL" in result.stderr, result.stderr
+    out = result.stdout
+    assert "check: 3 survivors of 4; largest difference from one process" in out and "(OK)" in out, out
+    for rank in (0, 1, 3):  # the death itself, or another survivor's revoke if that came first
+        assert re.search(rf"rank {rank}: step 17: (PeerLostError: peer rank 2 is lost|RevokedError)", out), out
+    assert sorted(re.findall(r"\(now (\d) of 3\)", out)) == ["0", "1", "2"], out
 
 
 # -- examples/heat.py: a halo exchange by sendrecv, checked against one process ------------------
