@@ -267,3 +267,55 @@ def _two_in_a_row(comm: tcoll.Communicator) -> Any:
 def test_two_ranks_die_one_after_the_other(transport: str) -> None:
     reports = _survived(*_run(_two_in_a_row, 5, transport), [1, 4])
     assert [r for r in reports if (r["olds"], r["first_failed"], r["failed"]) != ([0, 2, 3], [4], [1])] == []
+
+
+def _split_then_die(comm: tcoll.Communicator) -> Any:
+    """Ranks split by parity; rank 2 (even) dies: the evens' communicator shrinks, the odds' goes on untouched."""
+    sub = comm.split(comm.rank % 2)
+    assert sub is not None
+    if comm.rank == 2:
+        die()
+    if comm.rank % 2:
+        failed = sub.failed()  # (before the last call: a peer that finished and closed counts as gone)
+        every_collective(sub, [0, 1])
+        return {"size": sub.size, "failed": failed}
+    new, seen = recover(sub, lambda c: c.all_reduce(np.ones(8)))
+    every_collective(new, new.all_gather_object(sub.rank))
+    return {"size": new.size, "failed": seen["failed"]}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_split_communicator_shrinks_over_its_own_ranks(transport: str) -> None:
+    results, failures = _run(_split_then_die, 5, transport)
+    assert sorted(failures) == [2], failures
+    evens, odds = {"size": 2, "failed": [1]}, {"size": 2, "failed": []}  # world rank 2 is the evens' rank 1
+    assert [results[r] for r in (0, 1, 3, 4)] == [evens, odds, odds, evens], results
+
+
+def _close_beside_the_dead(comm: tcoll.Communicator) -> Any:
+    """Rank 1 dies; rank 0's barrier raises within the liveness period, and close() returns at once."""
+    import time
+
+    if comm.rank == 1:
+        die()
+    began = time.monotonic()
+    try:
+        comm.barrier()
+        error = None
+    except tcoll.TcollError as exc:
+        error = type(exc).__name__
+    raised = time.monotonic() - began
+    began = time.monotonic()
+    comm.close()
+    return {"error": error, "raised_s": raised, "closed_s": time.monotonic() - began}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_barrier_and_close_beside_a_dead_rank_never_hang(transport: str) -> None:
+    results, failures = _run(_close_beside_the_dead, 2, transport)
+    assert sorted(failures) == [1], failures
+    found = results[0]
+    assert found["error"] == "PeerLostError" and found["raised_s"] < NAMED_WITHIN_S, found
+    assert found["closed_s"] < 2.0, found

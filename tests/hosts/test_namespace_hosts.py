@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -93,6 +95,31 @@ def test_a_vanished_host_is_peer_lost_within_tcoll_tcp_dead_after_and_its_launch
     assert noticed < dead_after + liveness + 4, f"rank 0 noticed after {noticed:.1f} s: {found}"
     assert code1 == 1 and "lost the tcoll store" in out1, out1[-3000:]
     assert launcher_done - down_at < 12, f"host 1's launcher took {launcher_done - down_at:.1f} s:\n{out1[-3000:]}"
+
+
+@pytest.mark.timeout(90)
+def test_the_survivors_of_a_dead_host_shrink_and_run_every_collective(tmp_path: Path) -> None:
+    """Host 1 of 2 dies whole (its launcher and ranks killed) mid all_reduce; host 0's ranks go on.
+
+    They get a named error within 5 s, revoke, shrink to the two of them, and run every collective
+    on the new communicator against NumPy (tests/hosts/survivor_worker.py).
+    """
+    worker = str(Path(__file__).with_name("survivor_worker.py"))
+    with netns.namespace_hosts(2) as hosts:
+        procs = hosts.tcoll_run(2, ["--keep-going", worker, str(tmp_path)], env={"TCOLL_TIMEOUT": "40"})
+        for rank in range(4):
+            wait_file(tmp_path / f"ready{rank}", 60)
+        killed_at = time.time()
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the host's whole session: its launcher, and so its ranks
+        for rank in (0, 1):
+            wait_file(tmp_path / f"rank{rank}.json", 40)
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["error"] in ("PeerLostError", "PeerFailedError", "RevokedError"), found
+        assert found["at"] - killed_at < 5, f"rank {rank} noticed after {found['at'] - killed_at:.1f} s: {found}"
+        assert found["checks"] is None, found["checks"]
+        assert (found["rank"], found["size"]) == (rank, 2), found
+        assert found["failed"] and set(found["failed"]) <= {2, 3}, found  # (the other may still be dying then)
 
 
 @pytest.mark.timeout(150)
