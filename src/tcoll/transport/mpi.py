@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import PeerLostError, TransportError
 from ..p2p.channel import HEADER, Channel, pack_header, unpack_header
 from .base import Card, Transport
+from .shm.channel import process_alive
 
 if TYPE_CHECKING:
     from ..p2p.work import RecvWork, SendWork, Work
@@ -62,8 +63,10 @@ class MpiChannel(Channel):
 
     transport_name = "mpi"
 
-    def __init__(self, engine: Any, peer: int, comm: Any, mpi_rank: int) -> None:
+    def __init__(self, engine: Any, peer: int, comm: Any, mpi_rank: int,
+                 process: tuple[int, int | None] | None = None) -> None:
         super().__init__(engine, peer)
+        self._process = process  # (pid, start time) of a peer this rank can see in /proc, else None
         MPI = mpi_module()
         self._byte = MPI.BYTE
         self._testall = MPI.Request.Testall
@@ -143,6 +146,11 @@ class MpiChannel(Channel):
         self._receiving.append((target, request, buf))
         return True
 
+    def check_alive(self) -> None:
+        """Raise PeerLostError if the peer's process is gone (peers on this host only: MPI says nothing of it)."""
+        if self._process is not None and not self.closed and not process_alive(*self._process):
+            raise PeerLostError(self.peer, f"process {self._process[0]} on this host is gone")
+
     def pending_works(self) -> list[Work]:
         """The sends not yet complete and the receives being filled."""
         return [send for send, _, _ in self._sends] + [work for work, _, _ in self._receiving]
@@ -198,8 +206,13 @@ class MpiTransport(Transport):
     def connect(self, peers: list[int], cards: list[Card], store: Store, timeout: float) -> dict[int, Channel]:
         """A channel per peer; nothing to dial: MPI already connects the job's ranks."""
         channels: dict[int, Channel] = {}
+        me = cards[self.engine.rank]
         for peer in peers:
-            channel = MpiChannel(self.engine, peer, self._comm, cards[peer]["mpi"]["rank"])
+            card = cards[peer]
+            seen = (card.get("host") == me.get("host") and card.get("pidns") == me.get("pidns") and card.get("pidns")
+                    and card.get("pid"))
+            process = (int(card["pid"]), card.get("start_time")) if seen else None
+            channel = MpiChannel(self.engine, peer, self._comm, card["mpi"]["rank"], process)
             self._channels.append(channel)
             channels[peer] = channel
         if channels:
