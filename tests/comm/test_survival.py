@@ -121,6 +121,32 @@ def test_revoke_reaches_ranks_that_wait_on_others(transport: str) -> None:
     assert results[1] == results[2] == dict(later, blocked=0)
 
 
+def _revoke_in_a_collective(comm: tcoll.Communicator) -> str:
+    """Ranks 1 and 2 wait in an all_reduce that rank 0 never joins; rank 0 revokes: they leave it."""
+    flag = np.zeros(1)
+    if comm.rank == 0:
+        comm.recv(flag, 1, tag=3)
+        comm.revoke()
+        comm.agree(1)  # (it stays until the others have left their call: its exit is not their news)
+        return "revoked"
+    if comm.rank == 1:
+        comm.send(flag, 0, tag=3)  # (it may be in the all_reduce or about to be: either way it must leave)
+    try:
+        comm.all_reduce(np.ones(1 << 14))
+        said = "completed"
+    except tcoll.RevokedError as exc:
+        said = f"RevokedError by {exc.rank}"
+    comm.agree(1)
+    return said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_revoke_ends_a_collective_that_waits_on_a_live_rank(transport: str) -> None:
+    results = tcoll.spawn(_revoke_in_a_collective, 3, timeout=30, transport=transport)
+    assert results == ["revoked", "RevokedError by 0", "RevokedError by 0"]
+
+
 def test_agree_refuses_a_flag_that_is_not_64_bits() -> None:
     def body(comm: tcoll.Communicator) -> list[str]:
         said = []

@@ -303,13 +303,13 @@ class Agreement:
                         "(busy in their own code, or stuck)")
         return "; ".join(said)
 
-    def _send(self, peer: int, sequence: int, stamp: int, body: bytes) -> None:
-        """Send a notice about call `sequence` to world rank `peer` (not waited for)."""
+    def _send(self, peer: int, sequence: int, stamp: int, body: bytes) -> Any:
+        """Send a notice about call `sequence` to world rank `peer` (not waited for); its Work, or None."""
         try:
-            self.engine.isend(np.frombuffer(body, dtype=np.uint8), peer, self.ctx,
-                              (sequence << BLOCK_BITS) + NOTICE_TAG, None, stamp | NOTICE)
+            return self.engine.isend(np.frombuffer(body, dtype=np.uint8), peer, self.ctx,
+                                     (sequence << BLOCK_BITS) + NOTICE_TAG, None, stamp | NOTICE)
         except TcollError:  # lost meanwhile, or closing
-            pass
+            return None
 
     def _query(self, peer_world: int, block: int, payload: bytes) -> None:
         """Answer a rank that asks where this rank is with call `block`; or note an answer."""
@@ -426,9 +426,9 @@ class Agreement:
         for running in list(self.watch.calls.values()):
             self._stop(running, error)
 
-    def send_control(self, peer_world: int, body: bytes) -> None:
-        """Send world rank `peer_world` one of the communicator's own notices (see control_kinds); not waited for."""
-        self._send(peer_world, 0, 0, body)
+    def send_control(self, peer_world: int, body: bytes) -> Any:
+        """Send world rank `peer_world` one of the communicator's own notices (see control_kinds); its Work or None."""
+        return self._send(peer_world, 0, 0, body)
 
     def _stop(self, running: Running, error: BaseException) -> None:
         """End a call under way with `error`: abort its team step, or have the arena's waits raise it."""

@@ -39,9 +39,9 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..errors import PeerLostError, RevokedError, TcollError, TimeoutError
+from ..errors import PeerLostError, RevokedError, TcollError, TimeoutError, known_to_peers
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,6 +55,7 @@ _REVOKE, _VOTE, _COLLECT, _DECIDE = b"R", b"V", b"C", b"D"
 KINDS = frozenset((_REVOKE, _VOTE, _COLLECT, _DECIDE))
 _HEAD = struct.Struct("<cqqq")  # kind, round, flag, context offered or decided; then the failed ranks' bitmap
 _KEPT = 64  # decisions remembered to answer late voters
+_FLUSH_S = 2.0  # seconds a revoke or a decision may take to leave this rank before the call returns
 _FIRST_PROBE = 0.05  # seconds an agreement waits before it first asks whether the ranks it awaits live
 _FLAG_MIN, _FLAG_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -138,6 +139,7 @@ class Survival:
         who = "this rank" if by == self.rank else f"rank {by}"
         error = RevokedError(f"the communicator was revoked by {who} (rank {self.rank} of {self.size}); only "
                              "failed(), agree(), shrink() and close() work on it", by)
+        known_to_peers(error)  # a call it ends is not told to the others as failed here: they are revoked too
         core.revoked = error
         core.usable = False
         dispatcher = self._dispatcher  # no call runs any more: the ones under way end, the next ones do not start
@@ -145,9 +147,10 @@ class Survival:
         dispatcher.lean.clear()
         dispatcher.agreement.stop_all(error)
         self._engine.withdraw(core.p2p_ctx, error)
-        for rank in range(self.size):  # every rank forwards it once: it reaches all even if `by` died sending
-            if rank != self.rank and rank != by:
-                self._send(rank, _REVOKE, 0, by, 0)
+        sent = [self._send(rank, _REVOKE, 0, by, 0) for rank in range(self.size)  # every rank passes it on
+                if rank != self.rank and rank != by]  # once: it reaches all even if `by` died sending it
+        if by == self.rank:
+            self._flush(sent)  # (a rank passing it on does so inside the engine's progress: it is not waited for)
 
     # -- agree --------------------------------------------------------------------------
 
@@ -190,9 +193,8 @@ class Survival:
                 value, ctx = value & f, max(ctx, c)
             decision = Decision(value, ctx, tuple(sorted(self.known)))
         self._decide(k, decision)
-        for rank in range(self.size):
-            if rank != self.rank and rank not in self.known:
-                self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.failed)
+        self._flush([self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.failed)
+                     for rank in range(self.size) if rank != self.rank and rank not in self.known])
         return decision
 
     def _decide(self, k: int, decision: Decision) -> None:
@@ -238,15 +240,31 @@ class Survival:
 
     # -- the wire -----------------------------------------------------------------------
 
+    def _flush(self, sent: list[Any]) -> None:
+        """Wait (at most _FLUSH_S in all) until `sent` left this rank: one that returns and closes at once must
+        not take its last word with it."""
+        deadline = time.monotonic() + _FLUSH_S
+        for work in sent:
+            try:
+                if work is not None:
+                    work.wait(max(0.0, deadline - time.monotonic()))
+            except TcollError:  # its peer is lost, or the time is up: it was said as well as it can be
+                pass
+
     def _send(self, rank: int, kind: bytes, k: int, flag: int, context: int,
-              failed: tuple[int, ...] | None = None) -> None:
-        """Send `rank` one of our notices; it carries `failed` (a decision's), else every rank known dead here."""
+              failed: tuple[int, ...] | None = None) -> Any:
+        """Send `rank` one of our notices; it carries `failed` (a decision's), else every rank known dead here.
+
+        Returns:
+            The send's Work, or None (not sent: the rank is known dead, or this rank closed).
+        """
         if rank in self.known or self._engine.closed:
-            return
+            return None
         bitmap = bytearray((self.size + 7) // 8)
         for dead in self.known if failed is None else failed:
             bitmap[dead >> 3] |= 1 << (dead & 7)
-        self._dispatcher.agreement.send_control(self._world[rank], _HEAD.pack(kind, k, flag, context) + bytes(bitmap))
+        return self._dispatcher.agreement.send_control(self._world[rank],
+                                                       _HEAD.pack(kind, k, flag, context) + bytes(bitmap))
 
     def _receive(self, rank: int, payload: bytes) -> None:
         """A notice of ours came from `rank` (the engine's alarm, after a round of progress)."""
