@@ -94,7 +94,9 @@ def test_a_vanished_host_is_peer_lost_within_tcoll_tcp_dead_after_and_its_launch
     noticed = found["at"] - down_at
     assert noticed < dead_after + liveness + 4, f"rank 0 noticed after {noticed:.1f} s: {found}"
     assert code1 == 1 and "lost the tcoll store" in out1, out1[-3000:]
-    assert launcher_done - down_at < 12, f"host 1's launcher took {launcher_done - down_at:.1f} s:\n{out1[-3000:]}"
+    # (its store client gives up after dead_after, then tries to reconnect for 10 s before it stops its ranks)
+    took = launcher_done - down_at
+    assert took < dead_after + 10 + 5, f"host 1's launcher took {took:.1f} s:\n{out1[-3000:]}"
 
 
 @pytest.mark.timeout(90)
