@@ -7,6 +7,8 @@ carries the survivors' reports.
 
 from __future__ import annotations
 
+import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +20,6 @@ from helpers.torch_survivors import shrink_after_death  # noqa: E402
 
 import tcoll  # noqa: E402
 
-pytestmark = [pytest.mark.usefixtures("no_leftovers")]
 
 NAMED_WITHIN_S = 5.0  # every survivor gets a named error this soon after the death
 
@@ -49,6 +50,7 @@ def _check(results: list[Any], failures: dict[int, str], victim: int) -> list[di
     return reports
 
 
+@pytest.mark.usefixtures("no_leftovers")
 @pytest.mark.timeout(60)
 def test_survivors_of_an_all_reduce_shrink_and_go_on() -> None:
     """3 ranks; rank 1 dies before an all_reduce: ranks 0 and 2 get PeerLostError naming it, and become 0 and 1."""
@@ -57,6 +59,7 @@ def test_survivors_of_an_all_reduce_shrink_and_go_on() -> None:
         assert report["error"] == "PeerLostError" and "rank 1" in report["text"], report
 
 
+@pytest.mark.usefixtures("no_leftovers")
 @pytest.mark.timeout(60)
 def test_revoke_frees_a_rank_that_waits_on_a_live_one() -> None:
     """4 ranks; rank 0 (it also serves torch's store) dies; rank 1 waits in a receive from the live rank 2.
@@ -68,3 +71,36 @@ def test_revoke_frees_a_rank_that_waits_on_a_live_one() -> None:
     assert reports[0]["error"] == "RevokedError", reports[0]
     for report in reports[1:]:
         assert report["error"] == "PeerLostError" and "rank 0" in report["text"], report
+
+
+class _Model:
+    """Stands for a DDP model (weakly referable)."""
+
+
+@pytest.mark.timeout(10)
+def test_a_kept_error_keeps_no_caller_alive() -> None:
+    """An error tcoll keeps (a lost peer's) and raises again through a held call's Work does not keep the frames
+    it passed through: else a dropped DDP, held by the frame that ran backward, would live on and its reducer
+    would take the gradients of the next backward too (\"marked ready twice\")."""
+    from tcoll.torch.work import Held, TcollWork
+
+    kept = tcoll.PeerLostError(2, "its process is gone")
+
+    def start(_: bool) -> list[Any]:
+        raise kept
+
+    comm = SimpleNamespace(timeout=5.0)
+    work = TcollWork(SimpleNamespace(comm=comm), [], [Held(comm, start)])  # type: ignore[arg-type]
+    held: list[weakref.ref[Any]] = []
+
+    def backward() -> None:
+        model = _Model()  # what the caller's frame holds
+        held.append(weakref.ref(model))
+        work.wait()
+
+    for _ in range(2):  # the first wait runs the call, the second raises what it kept
+        with pytest.raises(tcoll.PeerLostError) as info:
+            backward()
+        assert info.value is not kept and str(info.value) == str(kept) and info.value.rank == 2
+        del info
+        assert held.pop()() is None, "a kept error keeps the caller's frame alive"

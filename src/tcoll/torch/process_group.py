@@ -52,8 +52,8 @@ from .plans import AllReducePlans
 from .reduce_ops import HASH_IS_VALUE, SIMPLE_OPS, reduction
 from .sparse import all_reduce_sparse
 from .tensors import NATIVE, Contiguous, check_count, finisher, np_bytes, np_view, reduce_source, reduce_target
-from .work import (Finish, Held, TcollWork, async_requested, chain, completed, counted, drop_held, each, held_calls,
-                   run_held, seconds, timed_out)
+from .work import (Finish, Held, TcollWork, async_requested, chain, completed, counted, detached, drop_held, each,
+                   held_calls, run_held, seconds, timed_out)
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
@@ -172,6 +172,8 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             pending = start(async_op)
         except TcollTimeout as exc:
             raise timed_out(exc) from exc
+        except TcollError as exc:
+            raise detached(exc) from exc.__cause__
         return TcollWork(self, outputs, pending if async_op else (), finish)
 
     @counted("split")
@@ -480,7 +482,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         except TcollError as exc:
             if self.comm.closed:
                 raise self._shut_down() from exc
-            raise
+            raise detached(exc) from exc.__cause__
 
     def _shut_down(self) -> TcollError:
         return TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")
