@@ -82,10 +82,11 @@ def make_model() -> torch.nn.Module:
                                torch.nn.Linear(HIDDEN, OUTPUTS)).double()
 
 
-def step_on(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rows: int, rank: int, size: int) -> float:
-    """One SGD step on this rank's share of global batch `step` (`rows` rows); returns the share's loss."""
-    x, y = batch(step, rows)
-    share = rows // size
+def step_on(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, batch_size: int, rank: int,
+            size: int) -> float:
+    """One SGD step on this rank's share of global batch `step`; returns the share's loss."""
+    x, y = batch(step, batch_size)
+    share = batch_size // size
     rows = slice(rank * share, (rank + 1) * share)
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
@@ -94,9 +95,9 @@ def step_on(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rows:
     return loss.item()
 
 
-def train(args: argparse.Namespace, rank: int, size: int) -> None:
-    """One rank's part: DDP training that survives the victim's death."""
-    victim = args.victim % size
+def train(args: argparse.Namespace) -> None:
+    """One rank's part (its default group is up): DDP training that survives the victim's death."""
+    victim = args.victim % dist.get_world_size()
     module = make_model()
     opt = torch.optim.SGD(module.parameters(), lr=args.lr)
     group = dist.group.WORLD
@@ -155,14 +156,14 @@ def report(args: argparse.Namespace, module: torch.nn.Module, events: list[str],
 def rank_main(comm: tcoll.Communicator, args: argparse.Namespace) -> None:
     """A rank started by tcoll.spawn: its torch default group meets on MASTER_ADDR/PORT (set by main)."""
     dist.init_process_group("tcoll", rank=comm.rank, world_size=comm.size)
-    train(args, comm.rank, comm.size)
+    train(args)
 
 
 def main() -> None:
     args = parse()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under a launcher: this process is one rank
         dist.init_process_group("tcoll")
-        train(args, dist.get_rank(), dist.get_world_size())
+        train(args)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:

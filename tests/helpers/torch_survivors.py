@@ -77,7 +77,10 @@ def shrink_after_death(comm: tcoll.Communicator, port: int, victim: int, waiter:
     except tcoll.RevokedError:
         seen["default_revoked"] = True
     seen["agree"] = tcoll.torch.agree(0b110 if dist.get_rank(new) == 0 else 0b011, new)
-    dist.destroy_process_group()  # every group, the shrunk one with the old one's channels
+    old = dist.group.WORLD
+    dist.destroy_process_group(new)  # closes the shrunk group's communicator, and the old one it replaced
+    seen["old_closed"] = old.comm.closed
+    dist.destroy_process_group()
     return seen
 
 

@@ -44,7 +44,7 @@ def _check(results: list[Any], failures: dict[int, str], victim: int) -> list[di
         assert (report["old_rank"], report["global_rank"]) == (survivors[new], survivors[new]), report
         assert (report["rank"], report["size"], report["ranks"]) == (new, size - 1, survivors), report
         assert report["backend"] == "tcoll" and report["default_revoked"], report
-        assert report["agree"] == 0b010, report
+        assert report["agree"] == 0b010 and report["old_closed"], report
     run_id = reports[0]["run_id"]
     assert run_id and shm_segments(run_id) == [], shm_segments(run_id)
     return reports

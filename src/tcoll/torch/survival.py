@@ -114,8 +114,9 @@ def shrink_group(group: Any = None, *, timeout: float | None = None, group_desc:
     it with torch.distributed (see the module docstring for ranks and the
     default group). Works on a revoked group; the usual way is catch, revoke,
     shrink. Calls of `group` still held (async_op) run first, so they fail
-    here rather than later. Destroying the new group releases the old one
-    too; destroying the old one first leaves the new one working.
+    here rather than later. Destroying the new group closes the old one's
+    communicator too; destroying the old one first (a subgroup: destroying
+    the default group destroys every group) leaves the new one working.
 
     A group built with other devices' backends ("cpu:tcoll,cuda:nccl") keeps
     only tcoll: the new group carries CUDA tensors through tcoll (host staging).

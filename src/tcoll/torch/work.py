@@ -27,8 +27,8 @@ from ..errors import TimeoutError as TcollTimeout
 if TYPE_CHECKING:
     from .process_group import ProcessGroupTcoll
 
-__all__ = ["TcollWork", "completed", "detached", "forget_frames", "async_requested", "Held", "Finish", "drop_held", "held_calls", "run_held",
-           "seconds", "each", "chain", "result_of", "timed_out", "counted"]
+__all__ = ["TcollWork", "completed", "detached", "forget_frames", "async_requested", "Held", "Finish", "drop_held",
+           "held_calls", "run_held", "seconds", "each", "chain", "result_of", "timed_out", "counted"]
 
 Finish = Callable[[], None]
 _TIMED_OUT = "[tcoll] Timed out - "
