@@ -111,3 +111,20 @@ def test_allreduce_benchmark_script_runs() -> None:
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith(("8 B |", "64 KiB |"))]
     assert len(rows) == 2 and all(line.count("|") == 9 and line.endswith("x") for line in rows), result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_ddp_elastic_example_goes_on_without_the_dead_rank() -> None:
+    """examples/ddp_elastic.py: the last of 3 ranks dies at step 15; the 2 others shrink, wrap DDP anew and
+    finish with the weights of single-process training."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run([sys.executable, "examples/ddp_elastic.py", "--check"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "step 15: PeerLostError; rank(s) [2] dead, going on with 2 ranks" in out, out
+    assert "trained 40 steps, finished on 2 ranks; final loss" in out, out
+    assert "weights match single-process training" in out, out
+    assert "rank 2: killed by SIGKILL" in out, out

@@ -20,6 +20,9 @@ arena): the counterpart of registering a buffer with NCCL.
 each gradient bucket through a persistent tcoll plan over shared memory
 (`tcoll.torch.ddp`).
 
+`tcoll.torch.revoke(group)` and `tcoll.torch.shrink_group(group)` let the
+survivors of a dead rank go on in a new group (`tcoll.torch.survival`).
+
 Owns: the ProcessGroup, its Work, the DDP comm hook, tensor conversions, which communicator serves a group,
 any-source receives.
 May import: everything below the top (comm, startup, store, ...); the only package that imports torch.
@@ -31,7 +34,8 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["register", "empty", "split_group", "ddp_hook", "ProcessGroupTcoll", "BACKEND_NAME"]
+__all__ = ["register", "empty", "split_group", "ddp_hook", "ProcessGroupTcoll", "BACKEND_NAME", "shrink_group",
+           "revoke", "failed", "agree"]
 
 BACKEND_NAME = "tcoll"
 
@@ -65,7 +69,7 @@ def _create(options: Any, backend_options: Any = None) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    """`empty`, `ProcessGroupTcoll`, `split_group` and `ddp_hook` are imported on first use."""
+    """`empty`, `ProcessGroupTcoll`, `split_group`, `ddp_hook` and the survival calls are imported on first use."""
     if name == "ProcessGroupTcoll":
         from .process_group import ProcessGroupTcoll
 
@@ -78,6 +82,10 @@ def __getattr__(name: str) -> Any:
         from . import groups
 
         return getattr(groups, name)
+    if name in ("shrink_group", "revoke", "failed", "agree"):
+        from . import survival
+
+        return getattr(survival, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

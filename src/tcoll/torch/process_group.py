@@ -52,8 +52,8 @@ from .plans import AllReducePlans
 from .reduce_ops import HASH_IS_VALUE, SIMPLE_OPS, reduction
 from .sparse import all_reduce_sparse
 from .tensors import NATIVE, Contiguous, check_count, finisher, np_bytes, np_view, reduce_source, reduce_target
-from .work import (Finish, Held, TcollWork, async_requested, chain, completed, counted, drop_held, each, held_calls,
-                   run_held, seconds, timed_out)
+from .work import (Finish, Held, TcollWork, async_requested, chain, completed, counted, detached, drop_held, each,
+                   held_calls, run_held, seconds, timed_out)
 
 __all__ = ["ProcessGroupTcoll", "BACKEND_NAME"]
 
@@ -80,6 +80,8 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         self._sequence = 0
         self._plans = AllReducePlans(comm)  # a small tensor's all_reduce, bound once (see .plans)
         self._routes: dict[str, Any] = {}  # device type -> the c10d Backend serving it (tcoll.torch.devices)
+        self._shrinks = 0  # shrink_group calls on this group (they name the new groups)
+        self._successor: ProcessGroupTcoll | None = None  # the group shrink_group made of this one's survivors
 
     # -- identity -------------------------------------------------------------------
 
@@ -132,7 +134,9 @@ class ProcessGroupTcoll(dist.ProcessGroup):
     def shutdown(self, abort: bool = False) -> None:
         """Release the communicator (the world's channels too, for the group that owns them).
 
-        Calls still held (work.Held) run first, unless `abort`: then this group's fail instead.
+        Calls still held (work.Held) run first, unless `abort`: then this group's fail instead. A group
+        that shrink_group replaced keeps its communicator while the group that replaced it lives (that
+        one's shutdown closes both).
         """
         comm = self.comm
         if held_calls and not comm.closed:
@@ -142,6 +146,9 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         worlds.forget_world(comm)
         if comm.closed:
             return
+        successor = self._successor
+        if successor is not None and not successor.comm.closed:
+            return  # the shrunk group uses this one's channels: closing it closes this communicator too
         comm.close(linger=not abort)  # a sub-communicator's close only marks it closed: the world keeps its channels
 
     def abort(self) -> None:
@@ -165,6 +172,8 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             pending = start(async_op)
         except TcollTimeout as exc:
             raise timed_out(exc) from exc
+        except TcollError as exc:
+            raise detached(exc) from exc.__cause__
         return TcollWork(self, outputs, pending if async_op else (), finish)
 
     @counted("split")
@@ -473,7 +482,7 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         except TcollError as exc:
             if self.comm.closed:
                 raise self._shut_down() from exc
-            raise
+            raise detached(exc) from exc.__cause__
 
     def _shut_down(self) -> TcollError:
         return TcollError(f"process group {self._group_name or ''} ({BACKEND_NAME}) is shut down")

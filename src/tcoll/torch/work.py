@@ -10,6 +10,7 @@ allreduce hook.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import os
@@ -26,8 +27,8 @@ from ..errors import TimeoutError as TcollTimeout
 if TYPE_CHECKING:
     from .process_group import ProcessGroupTcoll
 
-__all__ = ["TcollWork", "completed", "async_requested", "Held", "Finish", "drop_held", "held_calls", "run_held",
-           "seconds", "each", "chain", "result_of", "timed_out", "counted"]
+__all__ = ["TcollWork", "completed", "detached", "forget_frames", "async_requested", "Held", "Finish", "drop_held",
+           "held_calls", "run_held", "seconds", "each", "chain", "result_of", "timed_out", "counted"]
 
 Finish = Callable[[], None]
 _TIMED_OUT = "[tcoll] Timed out - "
@@ -52,6 +53,43 @@ def seconds(timeout: Any) -> float | None:
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout) / 1000.0
     return seconds if seconds > 0 else None
+
+
+def detached(exc: BaseException) -> BaseException:
+    """What to raise to the caller for `exc`, an error caught from tcoll: a copy with the traceback `exc` had.
+
+    An error that is kept must keep no frames. A traceback holds the frames it
+    passed through, and each frame its caller, up to the user's code; tcoll
+    keeps some errors (a lost peer's, a revoked communicator's, a Work's) and
+    raises them again, so those frames, and what they hold, would live as long
+    as the error: a DDP model, for one, whose reducer would then go on taking
+    the gradients of the module it wrapped long after it was dropped, and a
+    reducer that keeps the failed Work makes a cycle that no collection breaks.
+    So the caller gets a copy, which goes when it lets it go, and `exc` and
+    the errors it came from lose their tracebacks. Raise the copy
+    `from exc.__cause__` (the chain as it was). An error that does not copy
+    alike is returned as it is.
+    """
+    try:
+        fresh = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an error that does not copy is raised as it is
+        return exc
+    if type(fresh) is not type(exc) or fresh.args != exc.args:
+        return exc
+    fresh.with_traceback(exc.__traceback__)
+    forget_frames(exc)
+    return fresh
+
+
+def forget_frames(exc: BaseException | None) -> None:
+    """Drop the tracebacks of `exc` and of the errors it was raised from or during (see `detached`)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        if exc.__cause__ is not None and exc.__context__ is not None and exc.__cause__ is not exc.__context__:
+            forget_frames(exc.__context__)
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
 
 
 def async_requested(opts: Any) -> bool | None:
@@ -145,6 +183,7 @@ class Held:
         except Exception as exc:  # noqa: BLE001 - kept for this call's wait(), as an asynchronous call's would be
             self.error = exc
         finally:
+            forget_frames(self.error)  # kept: it must not keep this call's callers (see `detached`)
             self.comm.timeout = saved
 
     def wait(self, timeout: float | None = None) -> None:
@@ -195,12 +234,12 @@ class TcollWork(dist._Work):
                 finish()
             except BaseException as exc:
                 self._error = exc
-                raise
+                raise detached(exc) from exc.__cause__
 
     def _complete(self, timeout: float | None) -> None:
         """Wait for every tcoll Work, then run the finishing step; raise what failed."""
         if self._error is not None:
-            raise self._error
+            raise detached(self._error) from self._error.__cause__
         if held_calls and not (self._pending and isinstance(self._pending[0], Held)):
             run_held()  # what was held runs before this Work is waited for, as it would have run first
         budget = self._pg.comm.timeout if timeout is None else timeout
@@ -215,8 +254,8 @@ class TcollWork(dist._Work):
                 self._error, self._pending = exc, []
                 if isinstance(exc, TcollTimeout) and timed_out(exc) is not exc:
                     self._error = timed_out(exc)
-                    raise self._error from exc
-                raise
+                    raise detached(self._error) from exc
+                raise detached(exc) from exc.__cause__
             self._pending.pop(0)
         self._run_finish()
 
