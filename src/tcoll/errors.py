@@ -9,6 +9,7 @@ catches those keeps working.
 from __future__ import annotations
 
 import builtins
+import copy
 from collections.abc import Iterable
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "TransportError",
     "SpawnError",
     "RevokedError",
+    "fresh",
 ]
 
 
@@ -174,3 +176,20 @@ def known_to_peers(error: BaseException) -> BaseException:
 def is_known_to_peers(error: BaseException) -> bool:
     """Whether `error` was marked by known_to_peers."""
     return bool(getattr(error, "tcoll_known_to_peers", False))
+
+
+def fresh(error: BaseException) -> BaseException:
+    """A copy of a kept `error` (a Work's, a lost peer's), to raise it once more.
+
+    Raising the kept object itself would add the raising frames to its traceback
+    each time, and a traceback holds its frames' locals: the caller's objects (a
+    model, its buffers) would live as long as the error is kept. The copy has the
+    kept error's traceback and cause, and goes when the caller lets it go.
+    """
+    try:
+        copied = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an error that does not copy is raised as it is
+        return error
+    copied.__dict__.update(error.__dict__)  # (what tcoll notes on it: its cause's call, whether peers know it)
+    copied.__cause__, copied.__suppress_context__ = error.__cause__, error.__suppress_context__
+    return copied.with_traceback(error.__traceback__)

@@ -345,3 +345,44 @@ def test_barrier_and_close_beside_a_dead_rank_never_hang(transport: str) -> None
     found = results[0]
     assert found["error"] == "PeerLostError" and found["raised_s"] < NAMED_WITHIN_S, found
     assert found["closed_s"] < 2.0, found
+
+
+class _Held:
+    """Something a caller's frame holds (a model, its buffers)."""
+
+
+def _keep_nothing_of_the_caller(comm: tcoll.Communicator) -> Any:
+    """Rank 1 leaves; rank 0 calls it three times: each error lets the caller's frame go, and does not grow."""
+    import gc
+    import traceback
+    import weakref
+
+    if comm.rank == 1:
+        return None
+    seen = []
+    for _ in range(3):
+        held = _Held()
+        alive = weakref.ref(held)
+
+        def call(holding: _Held = held) -> None:
+            comm.recv(np.zeros(1), 1)
+
+        try:
+            call()
+        except tcoll.PeerLostError as exc:
+            depth = len(list(traceback.walk_tb(exc.__traceback__)))
+        del held, call
+        gc.collect()
+        seen.append((alive() is None, depth))
+    return seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_error_of_a_lost_peer_keeps_no_callers_frames(transport: str) -> None:
+    """The engine keeps a lost peer's error for good, and Works keep theirs: what a caller gets is a copy."""
+    results = tcoll.spawn(_keep_nothing_of_the_caller, 2, timeout=30, transport=transport)
+    freed = [gone for gone, _ in results[0]]
+    depths = [depth for _, depth in results[0]]
+    # (the first call meets the death; the later ones the kept error, raised again: its traceback must not grow)
+    assert freed == [True, True, True] and depths[1] == depths[2], results[0]

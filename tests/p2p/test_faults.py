@@ -104,7 +104,8 @@ def _wait_for_loss(comm: tcoll.Communicator, work: tcoll.Work, peer: int) -> dic
             "message": str(exc),
             "elapsed": time.monotonic() - start,
             "done": work.done(),
-            "exception_is_it": work.exception() is exc,
+            # (wait() raises a copy of the kept error: the kept one must not hold the caller's frames)
+            "exception_is_it": type(work.exception()) is type(exc) and str(work.exception()) == str(exc),
             "later": _later_ops(comm, peer),
             "run_id": comm.run_id,
         }

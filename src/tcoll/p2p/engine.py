@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..env import Settings
-from ..errors import PeerLostError, TcollError, TimeoutError, TransportError
+from ..errors import PeerLostError, TcollError, TimeoutError, TransportError, fresh
 from . import notice, status, timeline
 from .channel import Channel
 from .hosts import HostMap
@@ -430,7 +430,7 @@ class Engine:
             for peer in peers:
                 lost = self._lost.get(peer)
                 if lost is not None:
-                    raise lost
+                    raise fresh(lost)
                 channel = self.channels[peer]
                 if channel is None:
                     continue
@@ -455,7 +455,7 @@ class Engine:
             if self.hosts.count > 1 and "host " not in error.detail:
                 # Between hosts a lost link usually means a lost host: say which, and who else was on it.
                 error = PeerLostError(peer, f"{error.detail} ({self.hosts.describe([peer])})")
-            self._lost[peer] = error
+            self._lost[peer] = error = error.with_traceback(None)  # kept: not its frames (callers'); see errors.fresh
             self.lean[peer] = None
             channel = self.channels[peer]
             if channel is not None:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import fresh
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -54,7 +56,7 @@ class Work:
         if not self._done and self._engine is not None:
             self._engine.wait(self, timeout)
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)  # (the kept one would keep this caller's frames)
         return self._value
 
     def done(self) -> bool:

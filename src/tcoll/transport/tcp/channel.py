@@ -18,7 +18,7 @@ import socket
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ...errors import PeerLostError, TransportError
+from ...errors import PeerLostError, TransportError, fresh
 from ...p2p.channel import HEADER, Channel, pack_header, unpack_header
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class TcpChannel(Channel):
             try:
                 self._push()
             except PeerLostError as exc:  # reported by the next progress(), which the engine handles
-                self._lost = exc
+                self._lost = exc.with_traceback(None)  # (kept: not the frames it was raised in)
         if queue and self.engine.doorbell.sleepers:
             # Another thread sleeps: it must wake when the socket takes more, or nobody pushes the rest.
             self._arm()
@@ -94,7 +94,7 @@ class TcpChannel(Channel):
             PeerLostError: the connection closed or failed.
         """
         if self._lost is not None:
-            raise self._lost
+            raise fresh(self._lost)
         moved = self._push() if self._sendq else False
         if self._pull():
             moved = True
@@ -154,7 +154,7 @@ class TcpChannel(Channel):
         """Remember that the connection is gone (EOF when `exc` is None) and return the error to raise."""
         detail = "connection closed" if exc is None else f"connection closed ({exc.strerror or exc})"
         self._lost = PeerLostError(self.peer, detail)
-        return self._lost
+        return fresh(self._lost)  # (the kept one is never raised: it would keep the frames it went through)
 
     def _push(self) -> bool:
         """Send queued messages in order until the socket buffer fills; True if bytes moved."""
@@ -252,7 +252,7 @@ class TcpChannel(Channel):
             return unpack_header(self._hdr_view, self.peer)
         except TransportError as exc:
             self._lost = PeerLostError(self.peer, str(exc))
-            raise self._lost from None
+            raise fresh(self._lost) from None
 
     def _begin(self) -> bool:
         """Ask the engine for the receive of the decoded header; False leaves the message waiting."""
