@@ -48,6 +48,7 @@ class _Watched:
         self.dump, self.asked = dump, 0
         self.rank, self.size, self.job, self.calls, self.directory = engine.rank, engine.size, job, calls, directory
         self.key: Any = None
+        self.progress: Any = None  # its calls and wait at the last tick: unchanged, it may hang
         self.since = time.time()
         self.written: dict[str, Any] | None = None
 
@@ -61,6 +62,7 @@ class _Reporter:
         self.lock = threading.Lock()
         self.watched: list[_Watched] = []
         self.wake = threading.Event()
+        self.threads: frozenset[int | None] = frozenset()  # the threads at the last look at their frames
         self.thread = threading.Thread(target=self._loop, name="tcoll-status", daemon=True)
         self.thread.start()
 
@@ -74,7 +76,7 @@ class _Reporter:
                     if _reporter is self:
                         _reporter = None
                     return
-            frames = status.thread_frames()
+            frames = _Frames(self)
             with self.lock:  # forget() waits: a closed rank's file is never written again after it is removed
                 for entry in self.watched:
                     try:
@@ -83,14 +85,21 @@ class _Reporter:
                         continue
             del frames
 
-    def _report(self, entry: _Watched, frames: dict[int, Any]) -> None:
+    def _report(self, entry: _Watched, frames: _Frames) -> None:
         engine = entry.engine()
         if engine is None:
             return
-        frame = _thread_of(engine.rank, frames)
-        state = sample(engine, entry.calls, frame)
-        if entry.dump is not None:
-            self._dump_if_asked(entry, frame)
+        comms = entry.calls(engine)
+        progress = (tuple((c["sequence"], (c["call"] or {}).get("sequence")) for c in comms),
+                    getattr(engine.waiting, "what", None))
+        # The stack only of a rank that made no progress since the last tick (it may hang): a moving rank's
+        # line is not needed, and every look at another thread's frames risks CPython 3.11's frame races.
+        asked = entry.dump is not None and self._asked(entry)
+        frame = _thread_of(engine.rank, frames.get()) if progress == entry.progress or asked else None
+        entry.progress = progress
+        state = sample(engine, lambda _: comms, frame)
+        if asked:
+            entry.dump(status.frames_of(frame))  # type: ignore[misc]
         key = (tuple((c["sequence"], (c["call"] or {}).get("sequence")) for c in state["comms"]),
                (state["waiting"] or {}).get("what"), state["where"])
         if key != entry.key:
@@ -105,15 +114,16 @@ class _Reporter:
             entry.written = state
 
     @staticmethod
-    def _dump_if_asked(entry: _Watched, frame: Any) -> None:
-        """Write the flight recorder's dump when a report asked for one (it touches `dump` in the job's directory)."""
+    def _asked(entry: _Watched) -> bool:
+        """Whether a report asked for the flight recorder's dump since the last one (it touches `dump`)."""
         try:
             asked = os.stat(os.path.join(entry.directory, "dump")).st_mtime_ns
         except OSError:
-            return
-        if asked != entry.asked:
-            entry.asked = asked
-            entry.dump(status.frames_of(frame))
+            return False
+        if asked == entry.asked:
+            return False
+        entry.asked = asked
+        return True
 
     def forget(self, entry: _Watched) -> None:
         """Stop publishing for an engine that closes, and remove its file."""
@@ -127,6 +137,25 @@ class _Reporter:
             os.rmdir(entry.directory)  # the last rank of the host to close removes the job's directory
         except OSError:
             pass
+
+
+class _Frames:
+    """Every thread's current frame, looked at most once a tick and only when asked (see _Reporter._report).
+
+    A tick when threads started or ended since the last look gets none: a thread being made or unmade
+    is where CPython 3.11's look at other threads' frames has crashed (seen once, with 16 thread ranks).
+    """
+
+    def __init__(self, reporter: _Reporter) -> None:
+        self._reporter, self._frames = reporter, None
+
+    def get(self) -> dict[int, Any]:
+        if self._frames is None:
+            threads = frozenset(thread.ident for thread in threading.enumerate())
+            steady = threads == self._reporter.threads
+            self._reporter.threads = threads
+            self._frames = status.thread_frames() if steady else {}
+        return self._frames
 
 
 _reporter: _Reporter | None = None
