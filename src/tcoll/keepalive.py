@@ -1,15 +1,19 @@
-"""How every tcoll TCP connection notices a peer whose host vanished: keep-alive and a user timeout.
+"""How every tcoll TCP connection notices a peer whose host vanished: keep-alive.
 
 A host that goes away without closing its connections (power, link, kernel
 panic, a namespace-host cut off) sends no FIN and no RST, so by the kernel's
 defaults its peers learn of it after about two hours of keep-alive silence,
-or after 15 minutes of retransmissions. `set_dead_after` bounds both by one setting,
-TCOLL_TCP_DEAD_AFTER (`tcoll.env.Settings.tcp_dead_after`, seconds):
+or after 15 minutes of retransmissions. `set_dead_after` bounds the first by one setting,
+TCOLL_TCP_DEAD_AFTER (`tcoll.env.Settings.tcp_dead_after`, seconds): an idle
+connection sends a keep-alive probe after about 2/5 of it, then one every 1/5,
+and fails once the probes stay unanswered.
 
-- an idle connection sends a keep-alive probe after about 2/5 of it, then
-  one every 1/5, and fails once the probes stay unanswered;
-- a connection with data unacknowledged for that long fails (TCP_USER_TIMEOUT,
-  which on Linux also ends the probing above at the same limit).
+TCP_USER_TIMEOUT is not set: it also fails a connection whose live receiver
+only reads late (a zero window for that long: a rank that reaches its receive
+of a large message a few seconds after the sender), which would declare a
+live rank dead. A host that vanishes while data to it is unacknowledged is
+seen when the call's own timeout (TCOLL_TIMEOUT) ends the wait, or by the
+kernel's retransmission limit.
 
 The failure shows as an error on the socket: a rank's channel reports it as
 `PeerLostError` at its next liveness check; a store client as a lost store.
@@ -38,8 +42,8 @@ def dead_after_options(dead_after: float) -> list[tuple[str, int]]:
         dead_after: seconds, 1..86400; 0 means none (the kernel's defaults).
 
     Returns:
-        [("TCP_KEEPIDLE", s), ("TCP_KEEPINTVL", s), ("TCP_KEEPCNT", n), ("TCP_USER_TIMEOUT", ms)],
-        or [] for 0. For the default 5 s: idle 2 s, then 3 probes a second apart, 5000 ms.
+        [("TCP_KEEPIDLE", s), ("TCP_KEEPINTVL", s), ("TCP_KEEPCNT", n)], or [] for 0. For the
+        default 5 s: idle 2 s, then 3 probes a second apart.
 
     Raises:
         ValueError: `dead_after` is out of range.
@@ -51,8 +55,7 @@ def dead_after_options(dead_after: float) -> list[tuple[str, int]]:
     idle = max(1, int(dead_after * 0.4))  # the kernel counts these in whole seconds
     interval = max(1, int(dead_after * 0.2))
     count = max(1, math.ceil((dead_after - idle) / interval))
-    return [("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
-            ("TCP_USER_TIMEOUT", int(dead_after * 1000))]
+    return [("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)]
 
 
 def set_dead_after(sock: socket.socket, dead_after: float) -> None:
