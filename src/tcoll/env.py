@@ -129,8 +129,8 @@ class Settings:
             the caller's stream: tcoll.comm.staging); "nccl" is not built yet (TCOLL_GPU).
         tcp_dead_after: seconds after which a TCP peer that answers nothing (its host gone
             without closing the connection: power, link, kernel) counts as lost, through TCP
-            keep-alive probes while the connection is idle (a live peer that only reads late is not
-            lost); at least 1; 0 leaves the kernel's defaults (hours) (TCOLL_TCP_DEAD_AFTER).
+            keep-alive probes while the connection is idle, and the age of unacknowledged data while
+            it is busy (a live peer that only reads late is not lost); at least 1; 0 leaves the kernel's defaults (hours) (TCOLL_TCP_DEAD_AFTER).
         keep_going: the job runs on when a rank dies: set by `tcoll run --keep-going`, which then
             lets the survivors run to their end instead of stopping them (TCOLL_KEEP_GOING).
     """

@@ -38,6 +38,7 @@ def test_the_probes_give_up_within_the_limit(dead_after: float) -> None:
     probing = chosen["TCP_KEEPIDLE"] + chosen["TCP_KEEPCNT"] * chosen["TCP_KEEPINTVL"]
     assert probing <= max(dead_after, 2)  # 1 s is the kernel's smallest step, at idle and per probe
     assert "TCP_USER_TIMEOUT" not in chosen
+    assert dict(keepalive.dead_after_options(dead_after, user_timeout=True))["TCP_USER_TIMEOUT"] == dead_after * 1000
     assert chosen["TCP_KEEPCNT"] >= 1 and chosen["TCP_KEEPIDLE"] >= 1
 
 
@@ -87,8 +88,8 @@ def test_store_clients_carry_the_options(monkeypatch: pytest.MonkeyPatch) -> Non
             client.set("k", b"v")
             assert client.get("k") == b"v"
             [sock] = client._idle  # the pooled connection the requests used
-            assert _carried(sock) == {"SO_KEEPALIVE": 1, "TCP_USER_TIMEOUT": NO_USER_TIMEOUT,
-                                      **dict(keepalive.dead_after_options(seconds))}
+            assert _carried(sock) == {"SO_KEEPALIVE": 1,  # (a store's server always reads: a user timeout too)
+                                      **dict(keepalive.dead_after_options(seconds, user_timeout=True))}
             client.close()
         off = TCPStore("127.0.0.1", server.port, 10, dead_after=0)
         [sock] = off._idle

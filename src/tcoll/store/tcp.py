@@ -198,7 +198,8 @@ class TCPStore(Store):
             _Busy: the server has too many connections (worth retrying).
         """
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_dead_after(sock, self._dead_after)  # a store whose host vanished is a lost store, not a long wait
+        # A store whose host vanished is a lost store, not a long wait (its server always reads: a user timeout too).
+        set_dead_after(sock, self._dead_after, user_timeout=True)
         mine = os.urandom(NONCE)
         send_frame(sock, encode(Op.HELLO, MAGIC, mine))
         status, fields = self._read_reply(sock, HANDSHAKE_FRAME)  # nothing large from an unproven server

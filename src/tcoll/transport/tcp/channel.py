@@ -19,6 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ...errors import PeerLostError, TransportError, fresh
+from ...keepalive import unacked_for
 from ...p2p.channel import HEADER, Channel, pack_header, unpack_header
 
 if TYPE_CHECKING:
@@ -130,6 +131,11 @@ class TcpChannel(Channel):
         poller.register(self.fd, _HUNG_UP)
         if poller.poll(0):
             raise PeerLostError(self.peer, "connection closed")
+        limit = self.engine.settings.tcp_dead_after  # (keep-alive covers an idle connection; this, a busy one)
+        silent = unacked_for(self.sock) if limit > 0 else 0.0
+        if silent > limit:
+            raise PeerLostError(self.peer, f"no acknowledgement for {silent:.1f} s of the data sent to it "
+                                           f"(TCOLL_TCP_DEAD_AFTER={limit:g})")
 
     def round_trip(self) -> float:
         """The kernel's smoothed round-trip time of this connection, in seconds (0.0 if unknown)."""
