@@ -386,3 +386,53 @@ def test_the_error_of_a_lost_peer_keeps_no_callers_frames(transport: str) -> Non
     depths = [depth for _, depth in results[0]]
     # (the first call meets the death; the later ones the kept error, raised again: its traceback must not grow)
     assert freed == [True, True, True] and depths[1] == depths[2], results[0]
+
+
+def _right_after_a_new_communicator(comm: tcoll.Communicator) -> list[Any]:
+    """agree and revoke at once on communicators just made: a rank that made it first may speak before the
+    others have it (its notices wait for them, they are not lost)."""
+    said: list[Any] = [comm.dup().agree(1 << comm.rank | 8) for _ in range(10)]
+    for _ in range(5):
+        sub = comm.split(comm.rank % 2)
+        assert sub is not None
+        if sub.rank == 0:
+            sub.revoke()
+        try:
+            sub.barrier()
+            said.append("completed")
+        except tcoll.RevokedError:
+            said.append("revoked")
+        comm.barrier()
+    return said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_agree_and_revoke_right_after_dup_and_split(transport: str) -> None:
+    results = tcoll.spawn(_right_after_a_new_communicator, 3, timeout=40, transport=transport)
+    assert results == [[8] * 10 + ["revoked"] * 5] * 3
+
+
+def _revoked_between_calls(comm: tcoll.Communicator) -> str:
+    """Rank 0's last call only sent (the root of a broadcast); rank 1 revokes before rank 0's next call: the
+    poll that call starts with takes the revoke in, and the call raises it instead of waiting."""
+    x = np.ones(4)
+    comm.broadcast(x, root=0, algorithm="binomial")
+    if comm.rank == 1:
+        comm.revoke()
+        comm.agree(1)
+        return "revoked"
+    try:
+        comm.all_reduce(x)
+        said = "completed"
+    except tcoll.RevokedError:
+        said = "RevokedError"
+    comm.agree(1)
+    return said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_revoke_that_comes_between_calls_ends_the_next_one(transport: str) -> None:
+    results = tcoll.spawn(_revoked_between_calls, 2, timeout=40, transport=transport, env={"TCOLL_TIMEOUT": "20"})
+    assert results == ["RevokedError", "revoked"]

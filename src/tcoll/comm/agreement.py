@@ -36,6 +36,7 @@ from ..errors import (
     PeerFailedError,
     PeerLostError,
     TcollError,
+    fresh,
     is_known_to_peers,
     known_to_peers,
 )
@@ -112,6 +113,7 @@ class Agreement:
         self.control_kinds: frozenset[bytes] = frozenset()
         self.on_control: Callable[[int, bytes], None] = lambda rank, payload: None
         self.on_lost: Callable[[int], None] = lambda world_rank: None  # another rank told of a lost one
+        self.stopped: BaseException | None = None  # the communicator was revoked: every call raises it
         engine.watch(ctx, self.watch)
 
     # -- a call's life ---------------------------------------------------------------
@@ -127,6 +129,8 @@ class Agreement:
         if self._look_first:
             self._look_first = False
             self.engine.poll()  # late messages of the call before raise their alarms now
+        if self.stopped is not None:  # revoked, even while the poll above ran
+            raise fresh(self.stopped)
         if sequence > watch.high:
             watch.high = sequence
         running = Running(sequence, label, stamp, quiet)
@@ -422,7 +426,8 @@ class Agreement:
         return MismatchError(f"{where}: {text}", ranks=[peer], mine=running.stamp, theirs=theirs)
 
     def stop_all(self, error: BaseException) -> None:
-        """End every call under way here with `error` (the communicator was revoked)."""
+        """End every call under way here with `error` (the communicator was revoked), and every later one."""
+        self.stopped = error
         for running in list(self.watch.calls.values()):
             self._stop(running, error)
 

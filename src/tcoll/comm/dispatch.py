@@ -33,7 +33,7 @@ from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gat
                      reduce, reduce_scatter, scan, scatter)
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
-from ..errors import MismatchError, RevokedError, TcollError, TransportError
+from ..errors import MismatchError, RevokedError, TcollError, TransportError, fresh
 from ..ops import OPS
 from ..p2p import timeline
 from ..p2p.engine import Engine
@@ -161,7 +161,7 @@ class Dispatcher:
             cause = self._cause(running, exc)
             self._failed(sequence, call.label, call.stamp(None), running, cause)
             if cause is not exc:
-                raise cause from exc
+                raise fresh(cause) from exc  # (the cause is kept, as a notice's: not with this caller's frames)
             raise
 
     def run_program(self, program: Program, head: Call, async_op: bool = False) -> Any:

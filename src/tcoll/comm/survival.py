@@ -91,6 +91,7 @@ class Survival:
         self.size = dispatcher.size
         self.known: set[int] = set()  # ranks of this communicator known to be dead
         self.round = 0  # agree calls begun here
+        self._vote: tuple[int, int, int] | None = None  # (round, flag, context) of the agree under way here
         self.decided: dict[int, Decision] = {}
         self._answers: dict[int, dict[int, tuple[int, int]]] = {}  # round -> rank -> its vote (flag, context)
         agreement = dispatcher.agreement
@@ -163,6 +164,13 @@ class Survival:
         self.round += 1
         k = self.round
         deadline = time.monotonic() + timeout
+        self._vote = (k, flag, context)
+        try:
+            return self._agree(k, flag, context, deadline)
+        finally:
+            self._vote = None
+
+    def _agree(self, k: int, flag: int, context: int, deadline: float) -> Decision:
         self.refresh()
         while k not in self.decided:
             coordinator = min(r for r in range(self.size) if r not in self.known)
@@ -189,7 +197,7 @@ class Survival:
         decision = self.decided.get(k)  # an earlier coordinator decided before it died, and a survivor took it
         if decision is None:
             value, ctx = -1, 0
-            for f, c in answers.values():
+            for f, c in list(answers.values()):  # (a late vote may come in on another thread)
                 value, ctx = value & f, max(ctx, c)
             decision = Decision(value, ctx, tuple(sorted(self.known)))
         self._decide(k, decision)
@@ -284,7 +292,9 @@ class Survival:
             self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.failed)
         elif kind == _VOTE:
             self._answers.setdefault(k, {})[rank] = (flag, context)
-        # a COLLECT for a round not decided here: its sender coordinates; the agree loop votes to it
+        elif self._vote is not None and self._vote[0] == k:  # a COLLECT for the round this rank votes in:
+            self._send(rank, _VOTE, *self._vote)  # (again: its first vote may have gone to a rank it thought led)
+        # a COLLECT for a round not begun here: this rank votes to its sender as it begins it
 
 
 # -- the Communicator's methods -----------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import MessageSizeError, MismatchError, TcollError
-from .watch import BlockWatch
+from .watch import NOTICE, BlockWatch
 from .work import RecvWork
 
 if TYPE_CHECKING:
@@ -154,11 +154,25 @@ class Matcher:
             del self.unexpected[key]
 
     def watch(self, ctx: int, watch: BlockWatch | None) -> None:
-        """Classify the messages of `ctx` that no receive takes with `watch` (None: stop)."""
+        """Classify the messages of `ctx` that no receive takes with `watch` (None: stop).
+
+        Notices of `ctx` that came before it was watched (a rank that made the same new
+        communicator a moment earlier, and already spoke on it) are handed over now.
+        """
         if watch is None:
             self.watches.pop(ctx, None)
-        else:
-            self.watches[ctx] = watch
+            return
+        self.watches[ctx] = watch
+        for key in [k for k in self.unexpected if k[1] == ctx]:
+            kept = self.unexpected[key]
+            for early in [w for w in kept if w.seen & NOTICE]:
+                kept.remove(early)
+                early.watch = watch
+                if early.finished:  # arrived whole: its alarm runs after this round; else when it has
+                    payload = b"" if early.data is None else early.data[:early.nbytes].tobytes()
+                    self.alarms.append((watch, "notice", early.peer, early.tag, early.seen, payload))
+            if not kept:
+                del self.unexpected[key]
 
     def withdraw(self, ctx: int) -> list[RecvWork]:
         """Take out every receive posted in context `ctx` that no message has matched yet, to fail them."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..algos.stamps import describe, disagreement
-from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError
+from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError, fresh
 from ..p2p import notice, status
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
 from ..segments import Segment
@@ -314,7 +314,7 @@ class Arena:
                              "its ranks are out of step, so the communicator cannot run more of them")
 
     def _fail(self, exc: BaseException) -> BaseException:
-        self.broken = exc
+        self.broken = fresh(exc).with_traceback(None)  # kept for the message only: not the caller's frames
         return exc
 
     def _wait(self, target: int, rank: int | None) -> None:
