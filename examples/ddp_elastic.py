@@ -39,6 +39,7 @@ when the victim dies, which is its fail-fast default.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import socket
@@ -117,6 +118,7 @@ def train(args: argparse.Namespace) -> None:
         dead = tcoll.torch.failed(group)
         group = tcoll.torch.shrink_group(group)  # collective over the survivors
         del model  # DDP is bound to its group: drop it (its hooks go with it), wrap the same module anew
+        gc.collect()  # (the failed step's error and frames may hold it in a cycle: its hooks must go now)
         model = DDP(module, process_group=group)  # (which gives every survivor the new rank 0's weights)
         where = torch.tensor([step])
         dist.broadcast(where, group_src=0, group=group)  # go on from the new rank 0's step
