@@ -24,7 +24,9 @@ def start(target, size: int = 4, *args) -> None:
         with socket.socket() as probe:  # a port free now, instead of 29500 that another job may hold
             probe.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
-    mp.set_start_method("spawn", force=True)
+    # fork: the ranks start with torch already imported (spawn imported it once more in each, seconds each);
+    # this process has run no torch work yet, so there is no thread pool to lose in the children.
+    mp.set_start_method("fork" if "fork" in mp.get_all_start_methods() else "spawn", force=True)
     processes = [mp.Process(target=target, args=(rank, size, *args)) for rank in range(size)]
     for p in processes:
         p.start()
