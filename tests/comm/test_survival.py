@@ -436,3 +436,33 @@ def _revoked_between_calls(comm: tcoll.Communicator) -> str:
 def test_a_revoke_that_comes_between_calls_ends_the_next_one(transport: str) -> None:
     results = tcoll.spawn(_revoked_between_calls, 2, timeout=40, transport=transport, env={"TCOLL_TIMEOUT": "20"})
     assert results == ["RevokedError", "revoked"]
+
+
+def _decided_then_left(comm: tcoll.Communicator) -> Any:
+    """The coordinator (rank 0, voting 0b01) tells only rank 2 its decision, then dies; rank 2 returns and
+    leaves at once. Ranks 1 and 3 (voting 0b11) must still return rank 2's value, not a new AND of theirs."""
+    from tcoll.comm import survival
+
+    if comm.rank == 0:
+        send = survival.Survival._send
+
+        def tell_rank_2_only(self: Any, rank: int, kind: bytes, *args: Any) -> Any:
+            if kind != b"D":
+                return send(self, rank, kind, *args)
+            if rank == 2:
+                work = send(self, rank, kind, *args)
+                if work is not None:
+                    work.wait(5)
+                die()
+            return None
+
+        survival.Survival._send = tell_rank_2_only  # type: ignore[method-assign]
+    return comm.agree(0b01 if comm.rank == 0 else 0b11, timeout=20)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_decision_taken_by_a_rank_that_left_still_stands(transport: str) -> None:
+    results, failures = _run(_decided_then_left, 4, transport)
+    assert sorted(failures) == [0], failures
+    assert results[1:] == [0b01, 0b01, 0b01], results

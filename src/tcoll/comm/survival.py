@@ -18,7 +18,8 @@ Agreement, round k (every survivor numbers its agree calls alike):
 
 ```
   voter:        VOTE(k, flag, failed) -> the lowest rank it does not know dead (the coordinator)
-                wait for DECIDE(k); if the coordinator dies first, vote again to the next one
+                wait for DECIDE(k); if the coordinator dies first, vote again to the next one;
+                pass the DECIDE on to every rank before returning
   coordinator:  COLLECT(k, failed) -> every rank it does not know dead
                 wait for a VOTE or a DECIDE(k) from each (a rank that dies meanwhile is dropped)
                 decision = a DECIDE that came back (an earlier coordinator's), else the AND of the votes
@@ -32,6 +33,9 @@ of the coordinator's death it has voted (or will vote) with the next one,
 which decides only after hearing from every live rank; a rank that took
 the dead coordinator's decision answers it with that decision, so the next
 coordinator repeats it. Every survivor therefore returns the same decision.
+A voter passes the decision on before it returns, so that one that leaves
+at once (its communicator closed: gone, to the others) has still told the
+next coordinator, which takes in what came before it decides anew.
 """
 
 from __future__ import annotations
@@ -179,7 +183,12 @@ class Survival:
             self._send(coordinator, _VOTE, k, flag, context)
             self._await(lambda: k in self.decided or coordinator in self.known, [coordinator], deadline,
                         f"agree #{k}: waiting for the decision of rank {coordinator}")
-        return self.decided[k]
+        decision = self.decided[k]
+        # Pass it on before returning: should its coordinator have died having told only this rank, and this
+        # rank leave at once, the next coordinator still learns it (it takes a DECIDE before it decides).
+        self._flush([self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.failed)
+                     for rank in range(self.size) if rank != self.rank and rank not in self.known])
+        return decision
 
     def _coordinate(self, k: int, flag: int, context: int, deadline: float) -> Decision:
         """Collect every live rank's vote (or a decision it took already), decide, and tell everyone."""
@@ -194,6 +203,7 @@ class Survival:
 
         self._await(lambda: k in self.decided or not missing(), None, deadline, f"agree #{k}: collecting the votes",
                     missing)
+        self._engine.poll()  # a decision a voter passed on before it left is taken in before deciding anew
         decision = self.decided.get(k)  # an earlier coordinator decided before it died, and a survivor took it
         if decision is None:
             value, ctx = -1, 0
