@@ -1,7 +1,7 @@
 """DDP training that goes on after losing a rank: catch, revoke, shrink the group, wrap DDP again, finish.
 
     python examples/ddp_elastic.py --check            # starts 3 ranks itself (tcoll.spawn, keep_going=True)
-    tcoll run -n 3 --keep-going examples/ddp_elastic.py --check   # once the launcher has --keep-going
+    tcoll run -n 3 --keep-going examples/ddp_elastic.py --check   # exits 137: a rank was killed
 
 A small float64 model trains under DistributedDataParallel on a "tcoll"
 group, on global batches of --batch-size rows that the ranks share evenly.
