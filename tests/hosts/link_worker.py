@@ -7,7 +7,6 @@ and the wall-clock time it was raised.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -15,6 +14,7 @@ import time
 import numpy as np
 
 import tcoll
+from helpers.procs import write_json
 
 
 def main() -> None:
@@ -33,10 +33,7 @@ def main() -> None:
         rounds += 1
         if rounds == 5:
             open(os.path.join(out_dir, f"ready{comm.rank}"), "w").close()
-    path = os.path.join(out_dir, f"rank{comm.rank}.json")
-    with open(path + ".tmp", "w") as handle:  # then renamed: the test reads it as soon as it exists
-        json.dump(result, handle)
-    os.rename(path + ".tmp", path)
+    write_json(os.path.join(out_dir, f"rank{comm.rank}.json"), result)  # whole: the test reads it once it exists
     os._exit(0)  # the lost host's ranks will never say goodbye to the store
 
 

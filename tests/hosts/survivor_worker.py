@@ -9,7 +9,6 @@ in the new communicator, and the failure of the checks if any.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -18,6 +17,7 @@ import traceback
 import numpy as np
 
 import tcoll
+from helpers.procs import write_json
 from helpers.survivors import every_collective
 
 
@@ -46,10 +46,7 @@ def main() -> None:
         result["checks"] = None
     except Exception:  # noqa: BLE001 - written for the test to show
         result["checks"] = traceback.format_exc()
-    path = os.path.join(out_dir, f"rank{comm.rank}.json")
-    with open(path + ".tmp", "w") as handle:  # then renamed: the test reads it as soon as it exists
-        json.dump(result, handle)
-    os.rename(path + ".tmp", path)
+    write_json(os.path.join(out_dir, f"rank{comm.rank}.json"), result)  # whole: the test reads it once it exists
     os._exit(0)  # the dead host's ranks will never say goodbye to the store
 
 

@@ -107,18 +107,9 @@ class Survival:
 
     def refresh(self) -> None:
         """Ask every rank not known dead whether it lives (and take in what came meanwhile)."""
-        engine = self._engine
-        if engine.closed:
+        if self._engine.closed:
             raise TcollError("the communicator is closed")
-        for rank, peer in enumerate(self._world):
-            if rank == self.rank or rank in self.known:
-                continue
-            try:
-                engine.probe_peers([peer])
-            except PeerLostError:
-                pass
-            if engine.is_lost(peer):
-                self.known.add(rank)
+        self._probe([rank for rank in range(self.size) if rank != self.rank])
 
     def _learn(self, ranks: set[int], told_by: int) -> None:
         """Ranks another rank found dead: dead here too (the engine fails what waits on them)."""
@@ -248,12 +239,13 @@ class Survival:
             engine.block_unless(ready, min(next_probe, deadline) - now)
 
     def _probe(self, ranks: list[int]) -> None:
+        """Ask `ranks` (those not known dead) whether they live; a lost one is known dead from now on."""
         for rank in ranks:
             if rank in self.known:
                 continue
             try:
                 self._engine.probe_peers([self._world[rank]])
-            except PeerLostError:
+            except PeerLostError:  # (probe_peers raises for a peer lost before, too)
                 self.known.add(rank)
 
     # -- the wire -----------------------------------------------------------------------
