@@ -65,24 +65,24 @@ _KILLED_OPENING = """
     import os, signal
     import numpy as np
     import tcoll
-    from tcoll.comm import dispatch
+    from tcoll.comm import opening
 
     comm = tcoll.init(timeout=30)
     if comm.rank == 0:
-        made = dispatch.create_segment
+        made = opening.create_segment
 
         def create_and_tell(*args):
             segment = made(*args)
             open("created", "w").write(str(os.getpid()))
             return segment
 
-        dispatch.create_segment = create_and_tell
+        opening.create_segment = create_and_tell
     else:
         def kill_instead(path, name):
             os.kill(int(open("created").read()), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        dispatch.open_segment = kill_instead
+        opening.open_segment = kill_instead
     comm.all_reduce(np.ones(4), algorithm="shm")
 """
 

@@ -41,6 +41,7 @@ from ..errors import (
     known_to_peers,
 )
 from ..p2p.watch import BLOCK_BITS, NOTICE_TAG, BlockWatch
+from ..shm import express
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,6 +55,7 @@ _ASK, _ANSWER = b"Q", b"A"  # a timed-out rank asks who is in the call; each ran
 _WHERE = {b"r": "in it", b"d": "done with it", b"n": "not started"}  # an answer's last byte
 _TEXT_BYTES = 4000  # a notice's text is cut to this
 ARENA_TAGS = 48  # the tags of a block from which on the dispatcher opens an arena (phases 6 and 7)
+RING = 64  # recent finished calls remembered, to name them in a late notice (express.h writes it too)
 _CAUSE = struct.Struct("<q")  # after the kind byte: the sequence number of the call the trouble began with
 
 
@@ -103,7 +105,9 @@ class Agreement:
         self.watch = BlockWatch(self._alarm)
         self._ahead: dict[int, tuple[str, int, int, int, bytes]] = {}  # notices for calls not started here
         self.poison: BaseException | None = None  # a finished call turned out to disagree: the next call raises
-        self._stamps: dict[int, tuple[str, int]] = {}  # recent finished calls: sequence -> (label, stamp)
+        # Recent finished calls, a ring of RING: sequence number, and (label, stamp); express calls write it too.
+        self.ring_sequences: list[int] = [-1] * RING
+        self.ring_calls: list[tuple[str, int] | None] = [None] * RING
         self._look_first = False  # the last call only sent: look for what came back before the next one
         self._causes: deque[int] = deque(maxlen=256)  # the calls whose trouble was raised here already
         self._answers: dict[int, dict[int, tuple[bytes, int]]] = {}  # call asked about -> rank -> (where, last)
@@ -114,7 +118,16 @@ class Agreement:
         self.on_control: Callable[[int, bytes], None] = lambda rank, payload: None
         self.on_lost: Callable[[int], None] = lambda world_rank: None  # another rank told of a lost one
         self.stopped: BaseException | None = None  # the communicator was revoked: every call raises it
+        # Shut (by the shut() calls here) whenever the next call must look at what came: express calls wait
+        # for the Python path to open it again (tcoll.shm.express).
+        self.gate = express.new_gate(self.watch.early, self._ahead)
         engine.watch(ctx, self.watch)
+
+    @property
+    def quiet(self) -> bool:
+        """Whether nothing here stands in the way of the next call (express calls may run)."""
+        return not (self._look_first or self.stopped is not None or self.poison is not None or self._ahead
+                    or self.watch.early)
 
     # -- a call's life ---------------------------------------------------------------
 
@@ -172,6 +185,8 @@ class Agreement:
                 has not come yet, so the next call takes in what arrived meanwhile before it starts.
         """
         self._look_first = sent_only
+        if sent_only:
+            self.gate.shut()
         self.watch.calls.pop(running.sequence, None)
         alarmed = running.alarmed
         if alarmed is not None and getattr(alarmed, "tcoll_cause", running.sequence) not in self._causes:
@@ -179,9 +194,14 @@ class Agreement:
             self.watch.failed.append(running.sequence)
             alarmed.tcoll_cause = getattr(alarmed, "tcoll_cause", running.sequence)  # type: ignore[attr-defined]
             self.poison = self.poison or alarmed
-        self._stamps[running.sequence] = (running.label, running.stamp)
-        if len(self._stamps) > 64:
-            del self._stamps[next(iter(self._stamps))]
+        at = running.sequence % RING
+        self.ring_sequences[at], self.ring_calls[at] = running.sequence, (running.label, running.stamp)
+
+    def _finished(self, sequence: int) -> tuple[str, int]:
+        """The (label, stamp) of a recent finished call, or ("a call", 0) if it is not in the ring any more."""
+        at = sequence % RING
+        said = self.ring_calls[at]
+        return said if said is not None and self.ring_sequences[at] == sequence else ("a call", 0)
 
     def fail(self, running: Running, error: BaseException) -> None:
         """Call `running` failed here: forget it, drop its late messages, and tell the other ranks.
@@ -189,6 +209,7 @@ class Agreement:
         An error that came from another rank's notice is not told back, nor one
         that every rank of the call learns by itself (tcoll.errors.known_to_peers).
         """
+        self.gate.shut()
         self.watch.calls.pop(running.sequence, None)
         self.watch.failed.append(running.sequence)
         if not isinstance(error, MismatchError):  # (its Work failed first: the notice of why may come next)
@@ -201,6 +222,7 @@ class Agreement:
 
     def fail_unstarted(self, sequence: int, label: str, stamp: int, error: BaseException) -> None:
         """A call that failed on this rank before it could start (a bad argument, a notice): tell the others."""
+        self.gate.shut()
         self.watch.high = max(self.watch.high, sequence)
         self.watch.failed.append(sequence)
         self._ahead.pop(sequence, None)
@@ -328,6 +350,7 @@ class Agreement:
     # -- alarms (the engine calls them after a round of progress) -----------------------------
 
     def _alarm(self, kind: str, peer_world: int, tag: int, theirs: int, payload: bytes) -> None:
+        self.gate.shut()  # whatever it is, the next call looks at it in Python
         peer = self._ranks.get(peer_world, peer_world)
         block = tag >> BLOCK_BITS
         if kind == "notice" and payload[:1] in self.control_kinds:  # revoke, agree (tcoll.comm.survival)
@@ -373,7 +396,7 @@ class Agreement:
 
     def _error(self, kind: str, peer: int, block: int, theirs: int, payload: bytes,
                running: Running | None) -> BaseException | None:
-        label, mine = (running.label, running.stamp) if running else self._stamps.get(block, ("a call", 0))
+        label, mine = (running.label, running.stamp) if running else self._finished(block)
         where = f"{label} #{block}"
         if kind == "notice":
             (cause,) = _CAUSE.unpack_from(payload, 1)
@@ -428,6 +451,7 @@ class Agreement:
     def stop_all(self, error: BaseException) -> None:
         """End every call under way here with `error` (the communicator was revoked), and every later one."""
         self.stopped = error
+        self.gate.shut()
         for running in list(self.watch.calls.values()):
             self._stop(running, error)
 

@@ -27,28 +27,23 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ..algos import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather,  # noqa: F401 - registers
                      reduce, reduce_scatter, scan, scatter)
 from ..algos.registry import AlgorithmInfo, lookup
 from ..algos.team import Algorithm, CollectiveWork, Team
-from ..errors import MismatchError, RevokedError, TcollError, TransportError, fresh
+from ..errors import MismatchError, RevokedError, TcollError, fresh
 from ..ops import OPS
 from ..p2p import timeline
 from ..p2p.engine import Engine
 from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
-from ..shm.address import ADDRESS_BYTES, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.arena import Arena
-from ..shm.heap import heap_of
-from ..shm.vector import one_step_limit
 from .agreement import ARENA_TAGS, Agreement, Running
-from .choice import Chooser
 from .calls import Call, Prepared, Program
+from .choice import Chooser
+from .opening import open_arena
 
 __all__ = ["Dispatcher"]
 
-_ARENA_PHASE = 6  # the phases of a call that open the arena: 6 (barriers) and 7 (the address)
 _MAX_STEPS = 3  # steps of a program: phases 0-5
 _CONFIRM_PHASE = 2  # a single call with a user's op: every rank says its part went well (a call uses phases 0-1)
 
@@ -85,6 +80,7 @@ class Dispatcher:
         self.choose, self.costs, self.direct_capable = (self.chooser.choose, self.chooser.costs,
                                                         self.chooser.direct_capable)
         self.agreement = Agreement(engine, world, ctx, self._arena_alarm, self._arena_stale)
+        self.gate = self.agreement.gate  # whether express calls may run (tcoll.shm.express; open_gate opens it)
         self.closed = False
         self.revoked: RevokedError | None = None  # set with closed by revoke (tcoll.comm.survival)
         self.capturing = False  # a plan is being made: run() hands back the call instead of running it
@@ -312,6 +308,21 @@ class Dispatcher:
     def _arena_stale(self) -> None:
         """Ranks learn of a failed call: the next direct call opens a new arena (all ranks do, at the same call)."""
         self._stale = True
+        self.gate.shut()
+
+    def open_gate(self) -> bool:
+        """Let express calls run from now on, if nothing stands in their way; whether they may.
+
+        Called after a call ran well in Python (tcoll.comm.plans): everything the express
+        path skips is checked here, once, and whatever changes it later shuts the gate.
+        """
+        arena, engine = self.arena, self.engine
+        if (arena is None or arena.kernel is None or arena.broken is not None or arena.pending or self._stale
+                or self.closed or engine.closed or self.capturing or self.record is not None
+                or engine.timeline is not None or not self.agreement.quiet):
+            self.gate.shut()
+            return False
+        return self.gate.open(arena.kernel)  # (False for anything but the arena's C kernel)
 
     def _arena_alarm(self, error: BaseException) -> None:
         """What an alarm says of a call that runs on the arena: its waits raise it."""
@@ -397,65 +408,12 @@ class Dispatcher:
             team = teams[0] or self.team_for(running.sequence, running.stamp)
             teams[0] = team
             running.quiet = False  # the opening talks point-to-point
-            arena = self._open_arena(team, f"{running.label} #{running.sequence}", running)
+            arena = open_arena(self, team, f"{running.label} #{running.sequence}", running)
             running.quiet = True
             self.arena, self._stale = arena, False
             self.engine.closers.append(arena.close)
         arena.timeout = self.timeout
         return arena
-
-    def _open_arena(self, team: Team, description: str, running: Running) -> Arena:
-        """Open the arena (collective): rank 0 creates its segment and broadcasts the address.
-
-        A barrier comes first: a rank that still runs the call on an old
-        arena (it has not heard of a failure yet) gets one of its messages,
-        raises a mismatch, and tells the others, instead of leaving them
-        waiting for it. Every rank then maps the segment; after a second
-        barrier (all have mapped) rank 0 unlinks the file, so nothing is left
-        in /dev/shm even if the job is killed later. Rank 0's slot size and
-        one-step limit rule, so a differing setting cannot skew the layout or
-        the steps.
-
-        Raises:
-            TransportError: the segment cannot be created or mapped.
-        """
-        opening = f"{description}, opening the shared-memory arena"
-        self._arena_barrier(team, opening, running)
-        address = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
-        segment, failure = None, None
-        if self.rank == 0:
-            slot = agreed_slot(self.engine.settings.shm_slot, self.size)
-            one_step = self.engine.settings.shm_one_step
-            one_step = one_step_limit(self.size, self.engine.spin.oversubscribed) if one_step < 0 else one_step
-            try:
-                segment = create_segment(self.run_id, self.engine.rank, self.size, slot, self.engine.host_shares_pids)
-                address = encode_address(slot, one_step, segment)
-            except TransportError as exc:
-                failure = exc  # the others learn it from the empty address
-        try:
-            address_team = team.phase(_ARENA_PHASE + 1)
-            self.start(address_team, opening, lookup("broadcast", "binomial").run(address_team, address, 0), False,
-                       step_of=running)
-            if failure is not None:
-                raise failure
-            found = decode_address(address)
-            if found is None:
-                raise TransportError("rank 0 could not create the shared-memory collective arena")
-            slot, one_step, path, name = found
-            if segment is None:
-                segment = open_segment(path, name)
-            self._arena_barrier(team, opening, running)
-        finally:
-            if self.rank == 0 and segment is not None:
-                segment.unlink()
-        return Arena(self.engine, self.world, self.rank, segment, slot, heap_of(self.engine, self.run_id), one_step)
-
-    def _arena_barrier(self, team: Team, description: str, running: Running) -> None:
-        """A barrier among the ranks opening the arena, on phase 6 (twice: FIFO keeps the rounds apart)."""
-        barrier_team = team.phase(_ARENA_PHASE)
-        self.start(barrier_team, description, lookup("barrier", "dissemination").run(barrier_team), False,
-                   step_of=running)
-        running.work = None
 
     def _closed_error(self) -> TcollError:
         if self.revoked is not None and not self.engine.closed:
@@ -472,6 +430,7 @@ class Dispatcher:
             A disagreement found and not raised yet (the caller raises it once all is released), or None.
         """
         self.closed = True
+        self.gate.shut()
         self.lean.clear()
         found = self.agreement.close(linger)
         arena, self.arena = self.arena, None

@@ -27,6 +27,9 @@ repeat: all_reduce, reduce, broadcast and barrier keep the prepared call of
 up to LEAN_ENTRIES recent buffers of at most LEAN_BYTES, keyed by the
 buffer's identity and the call's arguments and re-validated by shape, dtype
 and flags at each call (a cached buffer stays referenced until it drops out).
+An all_reduce or reduce that the arena's C kernel runs goes further: once it
+has run in Python, its later calls run whole in one C call (tcoll.shm.express)
+while nothing is pending that Python must look at; a plan of one does too.
 """
 
 from __future__ import annotations
@@ -40,16 +43,19 @@ import numpy as np
 from ..buffers import as_array
 from ..errors import TcollError
 from ..p2p.work import Work
+from ..shm import express
 from .calls import Call, Prepared
 
 if TYPE_CHECKING:
     from .communicator import Communicator
     from .dispatch import Dispatcher
 
-__all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "lean_entry", "lean_run"]
+__all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "MISS", "lean_entry", "lean_run", "lean_again"]
 
 LEAN_BYTES = 1 << 20  # buffers up to this size take the lean path: above it the call's bookkeeping is noise
 LEAN_ENTRIES = 32
+MISS = object()  # lean_again: the remembered call does not fit this buffer any more (check it anew)
+_NEVER = object()  # an entry's express: the call cannot run express (its op, dtype, size or path)
 
 
 class Plan:
@@ -77,12 +83,17 @@ class Plan:
         self._blocking = self._form(False)
         self.result: Any = self._blocking.call.result if self._blocking is not None else None
         self.bound = self._blocking is not None
+        # A bound plan of one arena step runs whole in C once it has run in Python (tcoll.shm.express).
+        self._x = args[0] if args else None
+        self.express: Any = None if self.bound else _NEVER
+        self.run_express: Callable[[Any], Any] | None = None
 
     def _form(self, async_op: bool) -> Prepared | None:
         """The prepared call of the blocking or started form; None: it is checked at every run."""
         if async_op in self._forms:
             return self._forms[async_op]
         dispatcher = self._dispatch
+        dispatcher.gate.shut()  # (no express call runs while the plan's method is called to capture it)
         dispatcher.capturing = True
         try:
             got = self._method(self._comm, *self._args, async_op=async_op, **self._kwargs)
@@ -109,8 +120,15 @@ class Plan:
         """Run the plan once, blocking; returns its result."""
         if self._work is not None and not self._work.done():
             raise TcollError("this plan was started and not waited for: call plan.wait() first")
+        run = self.run_express
+        if run is not None:
+            result = run(self._x)
+            if result is not None:
+                return result
         if self._blocking is not None:
-            return self._dispatch.run_prepared(self._blocking)
+            result = self._dispatch.run_prepared(self._blocking)
+            _renew_express(self._dispatch, self, self._blocking, self._x)
+            return result
         self.result = self._method(self._comm, *self._args, **self._kwargs)
         return self.result
 
@@ -121,8 +139,9 @@ class Plan:
 
         A bound plan's runner goes straight to the data movement (it skips
         run()'s check that a start() is not under way); an unbound one's is run.
+        A plan that can run express (tcoll.shm.express) is run, which does.
         """
-        if self._blocking is None:
+        if self._blocking is None or self.express is not _NEVER:
             return self.run
         return functools.partial(self._dispatch.run_prepared, self._blocking)
 
@@ -181,12 +200,15 @@ def initializer(method: Callable[..., Any]) -> Callable[..., Plan]:
 
 
 class _Lean:
-    """One remembered call: its buffer (kept alive, so that its id stays its own) and what was checked."""
+    """One remembered call: its buffer (kept alive, so that its id stays its own), what was checked, and its
+    express call (tcoll.shm.express; run_express is its bound run, None while there is none)."""
 
-    __slots__ = ("x", "shape", "dtype", "prepared")
+    __slots__ = ("x", "shape", "dtype", "prepared", "express", "run_express")
 
     def __init__(self, x: np.ndarray, prepared: Prepared) -> None:
         self.x, self.shape, self.dtype, self.prepared = x, x.shape, x.dtype, prepared
+        self.express: Any = None
+        self.run_express: Callable[[Any], Any] | None = None
 
 
 def lean_entry(dispatcher: Dispatcher, key: Any, x: Any) -> Prepared | None:
@@ -195,10 +217,17 @@ def lean_entry(dispatcher: Dispatcher, key: Any, x: Any) -> Prepared | None:
         entry = dispatcher.lean.get(key)
     except TypeError:  # an unhashable argument: the checks will say what is wrong with it
         return None
-    if entry is None or dispatcher.capturing or entry.x is not x or x.shape != entry.shape or x.dtype != entry.dtype:
+    if entry is None or not _fits(dispatcher, entry, x):
         return None
+    return entry.prepared
+
+
+def _fits(dispatcher: Dispatcher, entry: _Lean, x: Any) -> bool:
+    """Whether `x` is still the buffer `entry` was checked for, as it was (and no plan is being made)."""
+    if dispatcher.capturing or entry.x is not x or x.shape != entry.shape or x.dtype != entry.dtype:
+        return False
     flags = x.flags
-    return entry.prepared if flags.writeable and flags.c_contiguous else None
+    return flags.writeable and flags.c_contiguous
 
 
 def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call) -> Any:
@@ -206,9 +235,37 @@ def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call) -> Any:
     if dispatcher.capturing:
         return dispatcher.run(call)
     prepared = dispatcher.prepare(call, False)
-    if type(x) is np.ndarray and x.nbytes <= LEAN_BYTES:
-        lean = dispatcher.lean
-        if len(lean) >= LEAN_ENTRIES:
-            lean.clear()
-        lean[key] = _Lean(x, prepared)
-    return dispatcher.run_prepared(prepared)
+    if type(x) is not np.ndarray or x.nbytes > LEAN_BYTES:
+        return dispatcher.run_prepared(prepared)
+    lean = dispatcher.lean
+    if len(lean) >= LEAN_ENTRIES:
+        lean.clear()
+    entry = lean[key] = _Lean(x, prepared)
+    result = dispatcher.run_prepared(prepared)
+    _renew_express(dispatcher, entry, prepared, x)
+    return result
+
+
+def lean_again(dispatcher: Dispatcher, entry: _Lean, x: Any) -> Any:
+    """Run a remembered blocking call again in Python (its express call did not), and renew its express call.
+
+    Returns:
+        The call's result, or MISS (nothing ran) if `x` no longer fits the entry: the caller checks it anew.
+    """
+    arena = dispatcher.arena
+    if not (arena is not None and arena.pending) and not _fits(dispatcher, entry, x):
+        return MISS  # (with an express call's state pending, the call it began goes on as it was made)
+    result = dispatcher.run_prepared(entry.prepared)
+    _renew_express(dispatcher, entry, entry.prepared, x)
+    return result
+
+
+def _renew_express(dispatcher: Dispatcher, holder: Any, prepared: Prepared, x: Any) -> None:
+    """After `prepared` (on buffer `x`) ran well in Python: open the gate if nothing is pending, and give
+    `holder` (a _Lean, or a Plan) an express call of it if it has none that runs on the arena of now."""
+    if holder.express is _NEVER or not (dispatcher.gate.is_open or dispatcher.open_gate()):
+        return
+    made = holder.express
+    if made is None or not made.usable(dispatcher.arena.kernel):  # type: ignore[union-attr]
+        made = express.build(dispatcher, prepared, x)
+        holder.express, holder.run_express = (_NEVER, None) if made is None else (made, made.run)

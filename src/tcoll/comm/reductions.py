@@ -18,7 +18,7 @@ import numpy as np
 from ..ops import Op
 from .calls import Call, numbered
 from .checks import apart, check_peer, output, reduction_input, row_counts
-from .plans import lean_entry, lean_run
+from .plans import MISS, lean_again, lean_run
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatterv", "barrier"]
 
 
-@numbered("all_reduce")
 def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: str = "auto",
                async_op: bool = False) -> Any:
     """Reduce `x` over all ranks, in place on every rank.
@@ -45,19 +44,40 @@ def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: s
         TypeError: the op does not apply to the dtype; x is not a buffer.
         ValueError: x is not contiguous or is read-only; unknown algorithm.
     """
-    key = (id(x), "all_reduce", op, algorithm)
+    if not async_op:  # the same buffer and arguments as a recent call: checked then (tcoll.comm.plans)
+        result = _again(comm, (id(x), "all_reduce", op, algorithm), x)
+        if result is not MISS:
+            return result
+    return _all_reduce(comm, x, op, algorithm=algorithm, async_op=async_op)
+
+
+def _again(comm: Communicator, key: Any, x: Any) -> Any:
+    """A remembered blocking call run again: whole in C (its express call) or in Python; MISS if none fits."""
     dispatcher = comm.core.dispatch
-    if not async_op:
-        prepared = lean_entry(dispatcher, key, x)
-        if prepared is not None:  # the same buffer and arguments as a recent call: checked then
-            return dispatcher.run_prepared(prepared)
+    try:
+        entry = dispatcher.lean.get(key)
+    except TypeError:  # an unhashable argument: the checks will say what is wrong with it
+        return MISS
+    if entry is None:
+        return MISS
+    run = entry.run_express
+    if run is not None:
+        result = run(x)
+        if result is not None:
+            return result
+    return lean_again(dispatcher, entry, x)
+
+
+@numbered("all_reduce")
+def _all_reduce(comm: Communicator, x: Any, op: str | Op, *, algorithm: str, async_op: bool) -> Any:
+    """all_reduce, checked (see all_reduce)."""
     flat, resolved = reduction_input(x, op, "all_reduce buffer")
     call = Call("all_reduce", (flat, resolved), flat.nbytes, op=resolved, itemsize=flat.itemsize,
                 algorithm=algorithm, result=x, finish_buf=flat, dtype=flat.dtype, count=flat.size)
-    return dispatcher.run(call, True) if async_op else lean_run(dispatcher, key, x, call)
+    key = (id(x), "all_reduce", op, algorithm)
+    return comm.core.dispatch.run(call, True) if async_op else lean_run(comm.core.dispatch, key, x, call)
 
 
-@numbered("reduce")
 def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, algorithm: str = "auto",
            async_op: bool = False) -> Any:
     """Reduce `x` over all ranks into `x` on `root`; x on the other ranks is left as it was.
@@ -75,19 +95,24 @@ def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, a
     Raises:
         TypeError, ValueError: as all_reduce; root out of range.
     """
-    key = (id(x), "reduce", root, op, algorithm)
-    dispatcher = comm.core.dispatch
     if not async_op:
-        prepared = lean_entry(dispatcher, key, x)
-        if prepared is not None:
-            return dispatcher.run_prepared(prepared)
+        result = _again(comm, (id(x), "reduce", root, op, algorithm), x)
+        if result is not MISS:
+            return result
+    return _reduce(comm, x, root, op, algorithm=algorithm, async_op=async_op)
+
+
+@numbered("reduce")
+def _reduce(comm: Communicator, x: Any, root: int, op: str | Op, *, algorithm: str, async_op: bool) -> Any:
+    """reduce, checked (see reduce)."""
     check_peer(root, comm.size, "root")
     arr, resolved = reduction_input(x, op, "reduce buffer", writable=comm.rank == root)
     flat = arr.reshape(-1)
     call = Call("reduce", (flat, resolved, root), flat.nbytes, op=resolved, itemsize=flat.itemsize,
                 algorithm=algorithm, result=x, finish_buf=flat if comm.rank == root else None, dtype=flat.dtype,
                 count=flat.size, root=root)
-    return dispatcher.run(call, True) if async_op else lean_run(dispatcher, key, x, call)
+    key = (id(x), "reduce", root, op, algorithm)
+    return comm.core.dispatch.run(call, True) if async_op else lean_run(comm.core.dispatch, key, x, call)
 
 
 @numbered("reduce_scatter")

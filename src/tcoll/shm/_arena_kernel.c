@@ -18,6 +18,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <sched.h>
 #include <stdint.h>
@@ -50,6 +51,7 @@ typedef struct {
     Py_buffer arena;
     Py_buffer *bell_views;
     int held;  /* how many of bell_views are held; -1: not even the arena */
+    int retired;  /* the arena was closed: express calls (express.h) no longer step on it */
 } Kernel;
 
 static inline uint64_t min_counter(const Kernel *k) {
@@ -192,14 +194,8 @@ static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
 
 /* Describe the call in this rank's descriptor of `step`, copy the buffer into its slot (all but bytes
  * [skip_lo, skip_hi): a split call's own part, which this rank reads from its buffer), publish, ring. */
-static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObject *stamp, uint64_t sequence,
-                        Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
-    uint64_t low = PyLong_AsUnsignedLongLongMask(stamp);
-    PyObject *shifted = PyNumber_Rshift(stamp, SIXTY_FOUR);
-    if (shifted == NULL) return -1;
-    uint64_t high = PyLong_AsUnsignedLongLongMask(shifted);
-    Py_DECREF(shifted);
-    if (PyErr_Occurred()) return -1;
+static void publish_step(Kernel *k, const Py_buffer *view, uint64_t step, uint64_t low, uint64_t high,
+                         uint64_t sequence, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
     uint64_t *desc = k->desc + ((Py_ssize_t)(step % SETS) * k->size + k->rank) * DESC_WORDS;
     desc[0] = low;
     desc[1] = high;
@@ -211,7 +207,6 @@ static int publish_step(Kernel *k, const Py_buffer *view, uint64_t step, PyObjec
     __atomic_store_n(&k->counters[k->rank], step + 1, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
     ring_sleepers(k);
-    return 0;
 }
 
 /* Whether every rank's descriptor of `step` names this call (stamp and sequence) as this rank's does. */
@@ -240,9 +235,18 @@ static int reduce_slots(const Kernel *k, uint64_t step, int dtype, int op, void 
 typedef struct {
     Py_buffer view;
     int dtype, op, yield, want;
-    uint64_t step, sequence, spin_ns;
-    PyObject *stamp;
+    uint64_t step, sequence, spin_ns, stamp_low, stamp_high;
 } RunArgs;
+
+/* The two 64-bit words of a call's stamp (a Python int of up to 128 bits); -1 with the error set. */
+static int stamp_words(PyObject *stamp, uint64_t *low, uint64_t *high) {
+    *low = PyLong_AsUnsignedLongLongMask(stamp);
+    PyObject *shifted = PyNumber_Rshift(stamp, SIXTY_FOUR);
+    if (shifted == NULL) return -1;
+    *high = PyLong_AsUnsignedLongLongMask(shifted);
+    Py_DECREF(shifted);
+    return PyErr_Occurred() ? -1 : 0;
+}
 
 static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunArgs *a) {
     if (nargs != 9) {
@@ -252,7 +256,7 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunA
     a->dtype = (int)PyLong_AsLong(args[1]);
     a->op = (int)PyLong_AsLong(args[2]);
     a->step = PyLong_AsUnsignedLongLong(args[3]);
-    a->stamp = args[4];
+    if (stamp_words(args[4], &a->stamp_low, &a->stamp_high) < 0) return -1;
     a->sequence = PyLong_AsUnsignedLongLong(args[5]);
     a->spin_ns = PyLong_AsUnsignedLongLong(args[6]);
     a->yield = PyObject_IsTrue(args[7]);
@@ -276,29 +280,28 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunA
 }
 
 /* A call's first step: claim it (every rank is done with step - 2), describe the call, copy in, publish.
- * PUBLISHED, NOT_STARTED (a peer is still on the step before, past the spin), or -1 with the error set
- * and the view released. */
-static long claim_and_publish(Kernel *self, RunArgs *a, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
+ * PUBLISHED, or NOT_STARTED (a peer is still on the step before, past the spin). */
+static long claim_and_publish(Kernel *self, const RunArgs *a, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
     if (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield))
         return NOT_STARTED;
-    if (publish_step(self, &a->view, a->step, a->stamp, a->sequence, skip_lo, skip_hi) < 0) {
-        PyBuffer_Release(&a->view);
-        return -1;
-    }
+    publish_step(self, &a->view, a->step, a->stamp_low, a->stamp_high, a->sequence, skip_lo, skip_hi);
     return PUBLISHED;
+}
+
+/* The one-step call of run() on an acquired buffer: how far it got (NOT_STARTED, PUBLISHED or DONE). */
+static long step_small(Kernel *self, const RunArgs *a) {
+    long state = claim_and_publish(self, a, a->view.len, a->view.len);
+    if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step))
+        return state;
+    if (a->want && !reduce_slots(self, a->step, a->dtype, a->op, a->view.buf, a->view.len / ITEMSIZE[a->dtype]))
+        return state;  /* an op this dtype does not take in C: Python reduces */
+    return DONE;
 }
 
 static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
     if (parse_run(self, args, nargs, &a) < 0) return NULL;
-    long state = claim_and_publish(self, &a, a.view.len, a.view.len);
-    if (state < 0) return NULL;
-    if (state == NOT_STARTED || !wait_all(self, a.step + 1, a.spin_ns, a.yield) || !descriptors_agree(self, a.step))
-        goto out;
-    if (a.want && !reduce_slots(self, a.step, a.dtype, a.op, a.view.buf, a.view.len / ITEMSIZE[a.dtype]))
-        goto out;  /* an op this dtype does not take in C: Python reduces */
-    state = DONE;
-out:
+    long state = step_small(self, &a);
     PyBuffer_Release(&a.view);
     return PyLong_FromLong(state);
 }
@@ -345,29 +348,41 @@ static void publish_counter(const Kernel *k, uint64_t value) {
  * copy it over its own part of its slot; publish `step + 1`; when every rank has, copy the others' parts
  * out (if `want`); publish `step + 2` (done reading the slots). Returns how far it got: NOT_STARTED,
  * PUBLISHED (`step`), REDUCED (`step + 1`) or DONE; Python goes on from there as with run(). */
+static long step_split(Kernel *self, const RunArgs *a) {
+    Py_ssize_t item = ITEMSIZE[a->dtype], n = a->view.len / item, lo, hi;
+    part_bounds(n, self->size, self->rank, &lo, &hi);
+    long state = self->size > MAX_KERNEL_RANKS ? NOT_STARTED : claim_and_publish(self, a, lo * item, hi * item);
+    if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) ||
+        !descriptors_agree(self, a->step) || !reduce_part(self, a->step, a->dtype, a->op, a->view.buf, a->want, n))
+        return state;
+    publish_counter(self, a->step + 2);
+    if (a->want) {
+        if (!wait_all(self, a->step + 2, a->spin_ns, a->yield))
+            return REDUCED;
+        copy_parts_out(self, a->step, item, a->view.buf, n);
+    }
+    publish_counter(self, a->step + 3);
+    return DONE;
+}
+
 static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
     if (parse_run(self, args, nargs, &a) < 0) return NULL;
-    Py_ssize_t item = ITEMSIZE[a.dtype], n = a.view.len / item, lo, hi;
-    part_bounds(n, self->size, self->rank, &lo, &hi);
-    long state = self->size > MAX_KERNEL_RANKS ? NOT_STARTED : claim_and_publish(self, &a, lo * item, hi * item);
-    if (state < 0) return NULL;
-    if (state == NOT_STARTED || !wait_all(self, a.step + 1, a.spin_ns, a.yield) ||
-        !descriptors_agree(self, a.step) || !reduce_part(self, a.step, a.dtype, a.op, a.view.buf, a.want, n))
-        goto out;
-    publish_counter(self, a.step + 2);
-    state = REDUCED;
-    if (a.want) {
-        if (!wait_all(self, a.step + 2, a.spin_ns, a.yield))
-            goto out;
-        copy_parts_out(self, a.step, item, a.view.buf, n);
-    }
-    publish_counter(self, a.step + 3);
-    state = DONE;
-out:
+    long state = step_split(self, &a);
     PyBuffer_Release(&a.view);
     return PyLong_FromLong(state);
 }
+
+/* retire(): the arena closes; express calls made for it step on it no more (their gate is shut). */
+static PyObject *Kernel_retire(Kernel *self, PyObject *unused) {
+    (void)unused;
+    self->retired = 1;
+    Py_RETURN_NONE;
+}
+
+static PyTypeObject KernelType;  /* (defined below; the express call checks its argument against it) */
+
+#include "express.h"
 
 /* combine(dtype, op, out, lower, higher): out = lower op higher over buffers of equal length (out may be
  * lower); False if this dtype does not take the op here. The pipelined steps reduce their pieces with it. */
@@ -499,6 +514,7 @@ static PyMethodDef Kernel_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Kernel_run, METH_FASTCALL, "One small reduction step (see the module)."},
     {"run_split", (PyCFunction)(void (*)(void))Kernel_run_split, METH_FASTCALL,
      "A call that fits a slot, in three steps (see the source)."},
+    {"retire", (PyCFunction)Kernel_retire, METH_NOARGS, "The arena closes: express calls no longer use it."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -583,7 +599,7 @@ PyMODINIT_FUNC PyInit__arena_kernel(void) {
 #endif
     /* what the calibration measured (ns for 256 KiB at distance 16): benchmarks/copy_offsets.py prints it */
     PyModule_AddObject(m, "COPY_CALIBRATION", Py_BuildValue("(dd)", forward_ns, backward_ns));
-    if (add_shared(m) < 0) {
+    if (add_shared(m) < 0 || add_express(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

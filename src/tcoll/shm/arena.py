@@ -96,6 +96,9 @@ class Arena:
         self.stamp, self.sequence, self.label = 0, 0, "collective"  # the call under way (see begin)
         self.first = 0  # its first step
         self.alarm: BaseException | None = None  # what the dispatcher learnt meanwhile: the wait raises it
+        # An express call that could not finish (tcoll.shm.express): sequence * 4 + the kernel's state, which
+        # the call's run_small / run_split takes instead of running the kernel again; 0: none.
+        self.pending = 0
         self.kernel = self._make_kernel(buf, desc_at, data_at)
         spin = engine.spin  # the C kernel polls at most this long (then Python waits, as _wait does)
         self.kernel_spin_ns = int((spin.max_s if spin.oversubscribed else spin.fast_s) * 1e9)
@@ -129,6 +132,8 @@ class Arena:
         segment, self._segment = self._segment, None
         if segment is None:
             return
+        if isinstance(self.kernel, kernel_module.Kernel):
+            self.kernel.retire()  # express calls made for it fall back to Python, which finds the arena closed
         self.kernel = None  # its exports of the mapping go with it (one still running keeps them)
         self._counters.release()
         self._desc.release()
@@ -232,7 +237,7 @@ class Arena:
         # An exception landing between the kernel's return and the next line leaves self.step behind the
         # counters; the call then fails, and a failed call makes the dispatcher open a fresh arena.
         state = self.kernel.run(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
-                                self.kernel_yields, want)
+                                self.kernel_yields, want) if not self.pending else self._take_pending()
         if state:
             self.step, self.first = step + 1, step
         return state
@@ -247,10 +252,22 @@ class Arena:
         """
         step = self.step  # (an exception right after the kernel's return: as in run_small)
         state = self.kernel.run_split(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
-                                      self.kernel_yields, want)
+                                      self.kernel_yields, want) if not self.pending else self._take_pending()
         if state:
             self.step, self.first = step + _SPLIT_STEPS_TAKEN[state], step
         return state
+
+    def _take_pending(self) -> int:
+        """The kernel's state that an express call of this call left (it ran the kernel already).
+
+        Raises:
+            TcollError: the state is another call's (a defect of tcoll's: the steps would not pair).
+        """
+        pending, self.pending = self.pending, 0
+        if pending >> 2 != self.sequence:
+            raise self._fail(TcollError(f"{self.label} #{self.sequence} (shm): the arena holds the state of call "
+                                        f"#{pending >> 2}, an express call's that did not finish"))
+        return pending & 3
 
     def agree(self, step: int) -> None:
         """Wait until every rank published the call's first `step`; raise MismatchError if one described another."""

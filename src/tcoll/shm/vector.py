@@ -69,6 +69,8 @@ def set_one_step_limit(limit: int | None) -> None:
     """
     global _limit_override
     _limit_override = limit
+    if kernel_module is not None:
+        kernel_module.forget_all()  # express calls chose their steps by the old limit (tcoll.shm.express)
 
 
 def one_step(nbytes: int, arena: Any) -> bool:
@@ -158,12 +160,12 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     arena.agree(step)
     if want:
         combine_all(arena, op, slots, buf)
-    if _may_fail(op):  # the others hear of it in this call, as in the steps of _reduce_split and _reduce_large
+    if may_fail(op):  # the others hear of it in this call, as in the steps of _reduce_split and _reduce_large
         arena.publish(arena.skip())
         arena.wait_all(step + 1)
 
 
-def _may_fail(op: Op) -> bool:
+def may_fail(op: Op) -> bool:
     """Whether `op` is a user's (it may raise on one rank only; a built-in op does not fail): then a rank
     that does not want the result still waits for every rank's reduced part before its call returns, so
     that a failure anywhere fails the call here too."""
@@ -194,7 +196,7 @@ def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         arena.agree(arena.first)
         _reduce_own_part(arena, op, raw, buf.dtype, arena.first, arena.first, 0, (a, b), want)
         arena.publish(arena.skip())
-    if want or _may_fail(op):
+    if want or may_fail(op):
         arena.wait_all(arena.first + 1)
     if want:
         _copy_other_parts(arena, raw, buf.dtype, 0, raw.nbytes, arena.first)
@@ -267,8 +269,8 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         result = arena.claim()
         _reduce_own_part(arena, op, raw, dtype, step, result, lo, (a, b), wants_result, sources)
         arena.publish(result)
-        if wants_result or (hi == total and (ref is not None or _may_fail(op))):  # a lender waits until nobody
-            arena.wait_all(result)  # reads it; with a user's op, until every part was reduced (_may_fail)
+        if wants_result or (hi == total and (ref is not None or may_fail(op))):  # a lender waits until nobody
+            arena.wait_all(result)  # reads it; with a user's op, until every part was reduced (may_fail)
         if wants_result:
             _copy_other_parts(arena, raw, dtype, lo, hi, result)
 

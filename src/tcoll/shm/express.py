@@ -1,0 +1,103 @@
+"""The express path: a repeated blocking all_reduce or reduce on the same array, whole, in one C call.
+
+An ordinary blocking call on a small array is its arena step (half a
+microsecond on two ranks) inside about two microseconds of Python: checks,
+numbering, the agreement's bookkeeping, the choice of path. The lean path
+(tcoll.comm.plans) already skips the checks for a buffer seen before; the
+express path skips the rest. Once a call on an array has run in Python, it is
+bound into an `Express` (express.h, in the arena's C kernel): the next call on
+that array runs the whole call in C and does, on success, what the Python
+path records (the sequence number, the arena's steps, the last call for the
+hang report, the agreement's ring of recent calls).
+
+It runs only while the communicator's *gate* is open. The agreement shuts it
+whenever something is pending that the next call must look at in Python (an
+alarm, a notice, a revoke, a failed call, a call that only sent); the
+dispatcher shuts it when the communicator closes, a plan is captured or the
+arena is retired, and opens it again at the end of a call that ran in Python
+and found nothing pending (Dispatcher.open_gate). The express call also checks
+for itself that the array is the same object, with the same dtype, address
+and length, still writable, and that no message or notice waits. When it
+cannot finish (a peer later than its spin, descriptors that differ), it leaves
+where it got to in `arena.pending` and the Python path takes the call over
+from there, with its waiting, liveness checks and errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .kernel_abi import kernel_module
+
+__all__ = ["new_gate", "build", "forget_all"]
+
+_COLLECTIVES = ("all_reduce", "reduce")
+
+
+class _ShutGate:
+    """The gate where the C kernel is not built: always shut (no express call is ever made)."""
+
+    is_open = False
+
+    def open(self, kernel: Any) -> bool:  # pragma: no cover - only without the C kernel
+        return False
+
+    def shut(self) -> None:
+        pass
+
+
+def new_gate(early: dict[Any, Any], ahead: dict[Any, Any]) -> Any:
+    """A communicator's gate, shut; it stays shut while `early` (the watch's) or `ahead` (the agreement's) is not empty.
+
+    Args:
+        early: messages that came before their call (tcoll.p2p.watch.BlockWatch.early).
+        ahead: notices for calls not started yet (tcoll.comm.agreement.Agreement._ahead).
+    """
+    if kernel_module is None:  # pragma: no cover - built without the C kernel
+        return _ShutGate()
+    return kernel_module.Gate(early, ahead)
+
+
+def forget_all() -> None:
+    """Stop every express call made so far (a setting that decides a call's steps changed); new ones follow."""
+    if kernel_module is not None:
+        kernel_module.forget_all()
+
+
+def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
+    """The express call of `prepared` (a tcoll.comm.calls.Prepared: a blocking call on array `x` that just ran
+    well in Python), or None.
+
+    Only an all_reduce or reduce that runs on the arena's one-step or split kernel takes it: a
+    NumPy array that is the call's own buffer, a built-in op the kernel reduces in the array's
+    dtype, a result that needs no finishing (avg divides: Python does), at most one slot.
+
+    Returns:
+        A kernel_module.Express: `run(x)` gives the call's result, or None when the Python path must run
+        it (see express.h); `usable(kernel)` says whether it still runs on the arena's kernel.
+    """
+    # (imported here: importing tcoll.shm.vector registers its algorithms, which tcoll.algos does in its order)
+    from .bridge import kernel_codes
+    from .vector import may_fail, one_step
+
+    call, info = prepared.call, prepared.info
+    arena = dispatcher.arena
+    if (arena is None or arena.kernel is None or arena.size < 2 or info is None or not info.direct
+            or info.name != "shm" or call.collective not in _COLLECTIVES or prepared.async_op or prepared.finishes
+            or call.copies or call.staged is not None or type(x) is not np.ndarray):
+        return None
+    flat, op = call.args[0], call.args[1]
+    if flat.nbytes != x.nbytes or flat.nbytes > arena.slot_bytes or may_fail(op) or \
+            flat.__array_interface__["data"][0] != x.__array_interface__["data"][0]:
+        return None
+    codes = kernel_codes(arena, flat.dtype, op)
+    if codes is None:
+        return None
+    want = call.collective == "all_reduce" or dispatcher.rank == call.root
+    agreement = dispatcher.agreement
+    return kernel_module.Express(
+        agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
+        agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], want,
+        not one_step(flat.nbytes, arena), arena.kernel_spin_ns, arena.kernel_yields)

@@ -1,0 +1,181 @@
+"""The express path: a repeated blocking all_reduce or reduce on one array, whole in one C call.
+
+It must give NumPy's result every time, say nothing different from the
+Python path when ranks disagree (a MismatchError or the failing rank's error
+on every rank, never a wrong answer or a hang), and leave behind what the
+Python path records: the sequence number, the last call for the hang report,
+and the agreement's ring of recent calls.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tcoll
+from tcoll.comm import progress
+from tcoll.shm import vector
+from tcoll.shm.kernel_abi import kernel_module
+
+needs_kernel = pytest.mark.skipif(kernel_module is None, reason="the arena's C kernel is not built")
+SLOT = 64 << 10  # the three steps from the one-step limit up to 64 KiB
+
+
+def _express(comm: tcoll.Communicator, x: np.ndarray, key: tuple[Any, ...]) -> Any:
+    """The express call the lean path keeps for `x` under `key` (its arguments after the buffer)."""
+    entry = comm.core.dispatch.lean.get((id(x), *key))
+    return None if entry is None else entry.express
+
+
+def repeated_calls(comm: tcoll.Communicator, count: int, dtype: str, calls: int) -> dict[str, int]:
+    """all_reduce and reduce on the same arrays, refilled each call, against NumPy; how many ran whole in C."""
+    kind = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    x, y = np.zeros(count, dtype=kind), np.zeros(count, dtype=kind)
+    plan_buf = np.zeros(count, dtype=kind)
+    plan = comm.all_reduce_init(plan_buf, op="max")
+    before = comm.core.dispatch.sequence
+    for call in range(calls):
+        inputs = [((np.arange(count) * (q + 3) + call) % 13 - 6).astype(kind) for q in range(comm.size)]
+        x[...] = inputs[comm.rank]
+        y[...] = inputs[comm.rank]
+        plan_buf[...] = inputs[comm.rank]
+        assert comm.all_reduce(x) is x
+        root = call % comm.size
+        comm.reduce(y, root, "min")
+        plan()
+        total = inputs[0].copy()
+        for part in inputs[1:]:
+            total = (total + part).astype(kind)  # in rank order, in the dtype, as NumPy's ufunc loop
+        np.testing.assert_array_equal(x, total)
+        want = np.minimum.reduce(inputs) if comm.rank == root else inputs[comm.rank]
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(plan_buf, np.maximum.reduce(inputs))
+    assert comm.core.dispatch.sequence == before + 3 * calls  # every call numbered, however it ran
+    counts = {"all_reduce": getattr(_express(comm, x, ("all_reduce", "sum", "auto")), "completed", 0),
+              "plan": getattr(plan.express, "completed", 0)}
+    counts["reduce"] = sum(getattr(_express(comm, y, ("reduce", root, "min", "auto")), "completed", 0)
+                           for root in range(comm.size))
+    return counts
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
+@pytest.mark.parametrize("count", [3, 3000], ids=["one-step", "three-steps"])
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_repeated_calls_match_numpy(size: int, count: int, dtype: str) -> None:
+    results = tcoll.spawn(repeated_calls, size, (count, dtype, 24), timeout=100, transport="shm", shm_slot=SLOT,
+                          shm_one_step=1024)
+    if size == 2:  # (more ranks than cores: a call runs whole only when every rank comes within the spin)
+        assert all(counts["all_reduce"] > 0 and counts["plan"] > 0 for counts in results), results
+
+
+def another_call_at(comm: tcoll.Communicator, how: str) -> str:
+    """Ranks run express calls; at the 8th call rank 1 makes another call (`how`); what each rank raised."""
+    x = np.ones(5, dtype=np.float32)
+    comm.timeout = 20.0
+    for call in range(12):
+        try:
+            if comm.rank == 1 and call == 8:
+                if how == "op":
+                    comm.all_reduce(x, "max")
+                elif how == "size":
+                    comm.all_reduce(np.ones(6, dtype=np.float32))
+                elif how == "collective":
+                    comm.barrier()
+                elif how == "bad argument":
+                    comm.all_reduce(x, "no such op")
+            else:
+                comm.all_reduce(x)
+        except (tcoll.TcollError, ValueError) as exc:
+            return f"{type(exc).__name__} at call {call}: {exc}"
+    return "no error"
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["op", "size", "collective", "bad argument"])
+def test_another_call_on_one_rank_is_an_error_on_every_rank(how: str) -> None:
+    said = tcoll.spawn(another_call_at, 3, (how,), timeout=100, transport="shm")
+    if how == "bad argument":  # rank 1 raises its ValueError; the others are told of it
+        assert said[1].startswith("ValueError at call 8"), said
+        assert all(s.startswith("PeerFailedError at call 8") and "rank 1" in s for s in (said[0], said[2])), said
+    else:
+        assert all(s.startswith("MismatchError at call 8") for s in said), said
+
+
+def mixed_calls(comm: tcoll.Communicator, rounds: int) -> None:
+    """Express calls between broadcasts (their roots only send: the gate shuts), plans and a changed limit."""
+    x, b = np.zeros(4), np.zeros(3, dtype=np.int64)
+    for call in range(rounds):
+        root = call % comm.size
+        b[...] = call if comm.rank == root else -1
+        comm.broadcast(b, root)
+        assert (b == call).all()
+        x[...] = comm.rank + call
+        comm.all_reduce(x)
+        assert (x == sum(range(comm.size)) + comm.size * call).all()
+        if call == rounds // 2:  # a call after this takes the other steps, on every rank
+            made = _express(comm, x, ("all_reduce", "sum", "auto"))
+            vector.set_one_step_limit(16)
+            try:
+                for _ in range(3):
+                    x[...] = comm.rank
+                    comm.all_reduce(x)
+                    assert (x == sum(range(comm.size))).all()
+            finally:
+                vector.set_one_step_limit(None)
+            assert _express(comm, x, ("all_reduce", "sum", "auto")) is not made  # made anew for the new limit
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 4])
+def test_express_calls_between_other_calls(size: int) -> None:
+    tcoll.spawn(mixed_calls, size, (20,), timeout=100, transport="shm")
+
+
+def what_the_report_says(comm: tcoll.Communicator) -> tuple[int, dict[str, Any], tuple[str, int]]:
+    """After express calls: the sequence, what the hang report reads, and the agreement's ring entry."""
+    x = np.ones(2)
+    for _ in range(10):
+        comm.all_reduce(x)
+    dispatcher = comm.core.dispatch
+    assert _express(comm, x, ("all_reduce", "sum", "auto")).completed > 0
+    state = progress.calls(dispatcher.engine)[0]
+    return dispatcher.sequence, state, dispatcher.agreement._finished(dispatcher.sequence)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_express_calls_leave_what_the_python_path_records() -> None:
+    for sequence, state, (label, stamp) in tcoll.spawn(what_the_report_says, 2, timeout=50, transport="shm"):
+        assert sequence == 10 and state["sequence"] == 10 and state["last"] == "all_reduce", state
+        assert label == "all_reduce" and stamp != 0
+
+
+def dies_in_express(comm: tcoll.Communicator) -> str:
+    """Rank 2 dies after 10 express calls; what the others raise."""
+    comm.timeout = 20.0
+    x = np.ones(8)
+    for call in range(1000):
+        if comm.rank == 2 and call == 10:
+            os._exit(3)
+        try:
+            comm.all_reduce(x)
+        except tcoll.TcollError as exc:
+            return type(exc).__name__
+    return "no error"
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_a_rank_that_dies_between_express_calls_is_named() -> None:
+    with pytest.raises(tcoll.SpawnError) as raised:
+        tcoll.spawn(dies_in_express, 3, timeout=50, transport="shm", keep_going=True)
+    results = raised.value.results
+    assert results[0] == results[1] == "PeerLostError", results
