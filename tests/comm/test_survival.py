@@ -147,6 +147,27 @@ def test_revoke_ends_a_collective_that_waits_on_a_live_rank(transport: str) -> N
     assert results == ["revoked", "RevokedError by 0", "RevokedError by 0"]
 
 
+def _agree_or_shrink(comm: tcoll.Communicator, shrinker: int) -> str:
+    """Rank `shrinker` calls shrink() where the others call agree(): what each raised, then a vote all make."""
+    try:
+        if comm.rank == shrinker:
+            comm.shrink(timeout=10)
+        else:
+            comm.agree(1, timeout=10)
+        said = "no error"
+    except tcoll.MismatchError as exc:
+        said = f"MismatchError: {exc}"
+    return f"{said} | then {comm.agree(0b10 | comm.rank % 2)}"  # the rounds still pair
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shrinker", [0, 2])
+def test_agree_against_shrink_is_a_mismatch_on_every_rank(shrinker: int) -> None:
+    said = tcoll.spawn(_agree_or_shrink, 3, (shrinker,), timeout=30, transport="shm")
+    assert all(s.startswith("MismatchError: agreement round #1") and s.endswith("| then 2") for s in said), said
+    assert all("shrink()" in s and "agree()" in s for s in said), said
+
+
 def test_agree_refuses_a_flag_that_is_not_64_bits() -> None:
     def body(comm: tcoll.Communicator) -> list[str]:
         said = []

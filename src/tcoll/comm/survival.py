@@ -26,6 +26,10 @@ Agreement, round k (every survivor numbers its agree calls alike):
                 DECIDE(k, decision) -> every rank; remember it, to answer late voters
 ```
 
+Every vote says which call made it (agree, or one of shrink's two rounds):
+a coordinator that collects votes of different calls decides that the ranks
+disagree, and every rank raises MismatchError instead of mixing the votes.
+
 Failures are definitive (a process that is gone stays gone), and every
 message carries what its sender knows to be dead, so knowledge only grows.
 A rank ignores a DECIDE from a rank it knows to be dead: once it has heard
@@ -45,7 +49,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PeerLostError, RevokedError, TcollError, TimeoutError, known_to_peers
+from ..errors import MismatchError, PeerLostError, RevokedError, TcollError, TimeoutError, known_to_peers
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -57,7 +61,11 @@ __all__ = ["Decision", "Survival", "failed", "revoke", "agree", "shrink"]
 
 _REVOKE, _VOTE, _COLLECT, _DECIDE = b"R", b"V", b"C", b"D"
 KINDS = frozenset((_REVOKE, _VOTE, _COLLECT, _DECIDE))
-_HEAD = struct.Struct("<cqqq")  # kind, round, flag, context offered or decided; then the failed ranks' bitmap
+# kind, the call that votes or decides (AGREE, SHRINK, CHECK; DISAGREE), round, flag, context offered or decided;
+# then the failed ranks' bitmap
+_HEAD = struct.Struct("<ccqqq")
+AGREE, SHRINK, CHECK, _DISAGREE = b"a", b"s", b"c", b"!"  # what a round is for: comm.agree, shrink's two rounds
+_CALLS = {AGREE: "agree()", SHRINK: "shrink()", CHECK: "shrink() (its second round)"}
 _KEPT = 64  # decisions remembered to answer late voters
 _FLUSH_S = 2.0  # seconds a revoke or a decision may take to leave this rank before the call returns
 _FIRST_PROBE = 0.05  # seconds an agreement waits before it first asks whether the ranks it awaits live
@@ -72,11 +80,15 @@ class Decision:
         flag: the bitwise AND of the survivors' flags.
         context: the largest context offered (shrink's new communicator takes it).
         failed: the ranks found dead, in the communicator's numbering, sorted.
+        purpose: the call every voter made (AGREE, SHRINK, CHECK); _DISAGREE if they made different
+            ones (then flag is a rank whose call differs from the coordinator's, and context says who
+            the coordinator was and both calls: see _disagreement).
     """
 
     flag: int
     context: int
     failed: tuple[int, ...]
+    purpose: bytes = AGREE
 
 
 class Survival:
@@ -95,9 +107,10 @@ class Survival:
         self.size = dispatcher.size
         self.known: set[int] = set()  # ranks of this communicator known to be dead
         self.round = 0  # agree calls begun here
-        self._vote: tuple[int, int, int] | None = None  # (round, flag, context) of the agree under way here
+        self._vote: tuple[int, int, int, bytes] | None = None  # (round, flag, context, purpose) of the agree here
         self.decided: dict[int, Decision] = {}
-        self._answers: dict[int, dict[int, tuple[int, int]]] = {}  # round -> rank -> its vote (flag, context)
+        # round -> rank -> its vote (flag, context, purpose)
+        self._answers: dict[int, dict[int, tuple[int, int, bytes]]] = {}
         agreement = dispatcher.agreement
         agreement.control_kinds = KINDS
         agreement.on_control = self._receive
@@ -150,41 +163,62 @@ class Survival:
 
     # -- agree --------------------------------------------------------------------------
 
-    def agree(self, flag: int, context: int, timeout: float) -> Decision:
+    def agree(self, flag: int, context: int, timeout: float, purpose: bytes = AGREE) -> Decision:
         """One round of agreement over the ranks not known dead (see the module docstring).
+
+        Args:
+            purpose: the call this round is part of (AGREE, SHRINK, CHECK): every rank must make the same.
 
         Raises:
             tcoll.TimeoutError: the coordinator (or, coordinating, a live rank) did not answer in time.
+            MismatchError: a rank voted in this round for another call (on every rank).
         """
         self.round += 1
         k = self.round
         deadline = time.monotonic() + timeout
-        self._vote = (k, flag, context)
+        self._vote = (k, flag, context, purpose)
         try:
-            return self._agree(k, flag, context, deadline)
+            decision = self._agree(k, flag, context, purpose, deadline)
         finally:
             self._vote = None
+        if decision.purpose != purpose:
+            raise self._disagreement(k, decision, purpose)
+        return decision
 
-    def _agree(self, k: int, flag: int, context: int, deadline: float) -> Decision:
+    def _disagreement(self, k: int, decision: Decision, purpose: bytes) -> MismatchError:
+        """The error of a round whose voters made different calls (every rank raises one)."""
+        if decision.purpose == _DISAGREE:
+            coordinator, theirs, mine = decision.context >> 16, bytes([decision.context >> 8 & 0xFF]), \
+                bytes([decision.context & 0xFF])
+            rank = decision.flag
+        else:  # (a decision of another call than this rank's, relayed: it says which)
+            coordinator, theirs, mine, rank = self.rank, decision.purpose, purpose, -1
+        called = _CALLS.get(theirs, "?")
+        who = f"rank {rank} called {called}" if rank >= 0 else f"the others called {called}"
+        return MismatchError(f"agreement round #{k}: {who} where rank {coordinator} called {_CALLS.get(mine, '?')}; "
+                             "every surviving rank must make the same calls (agree, shrink) in the same order",
+                             ranks=[rank] if rank >= 0 else [])
+
+    def _agree(self, k: int, flag: int, context: int, purpose: bytes, deadline: float) -> Decision:
         self.refresh()
         while k not in self.decided:
             coordinator = min(r for r in range(self.size) if r not in self.known)
             if coordinator == self.rank:
-                return self._coordinate(k, flag, context, deadline)
-            self._send(coordinator, _VOTE, k, flag, context)
+                return self._coordinate(k, flag, context, purpose, deadline)
+            self._send(coordinator, _VOTE, k, flag, context, purpose)
             self._await(lambda: k in self.decided or coordinator in self.known, [coordinator], deadline,
                         f"agree #{k}: waiting for the decision of rank {coordinator}")
         decision = self.decided[k]
         # Pass it on before returning: should its coordinator have died having told only this rank, and this
         # rank leave at once, the next coordinator still learns it (it takes a DECIDE before it decides).
-        self._flush([self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.failed)
+        self._flush([self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.purpose, decision.failed)
                      for rank in range(self.size) if rank != self.rank and rank not in self.known])
         return decision
 
-    def _coordinate(self, k: int, flag: int, context: int, deadline: float) -> Decision:
+    def _coordinate(self, k: int, flag: int, context: int, purpose: bytes, deadline: float) -> Decision:
         """Collect every live rank's vote (or a decision it took already), decide, and tell everyone."""
         answers = self._answers.setdefault(k, {})
-        answers[self.rank] = (flag, context)
+        answers[self.rank] = (flag, context, purpose)
         for rank in range(self.size):
             if rank != self.rank and rank not in self.known:
                 self._send(rank, _COLLECT, k, 0, 0)
@@ -197,14 +231,22 @@ class Survival:
         self._engine.poll()  # a decision a voter passed on before it left is taken in before deciding anew
         decision = self.decided.get(k)  # an earlier coordinator decided before it died, and a survivor took it
         if decision is None:
-            value, ctx = -1, 0
-            for f, c in list(answers.values()):  # (a late vote may come in on another thread)
-                value, ctx = value & f, max(ctx, c)
-            decision = Decision(value, ctx, tuple(sorted(self.known)))
+            decision = self._tally(list(answers.items()), purpose)  # (a late vote may come in on another thread)
         self._decide(k, decision)
-        self._flush([self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.failed)
+        self._flush([self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.purpose, decision.failed)
                      for rank in range(self.size) if rank != self.rank and rank not in self.known])
         return decision
+
+    def _tally(self, votes: list[tuple[int, tuple[int, int, bytes]]], purpose: bytes) -> Decision:
+        """The decision of the votes collected here: their AND, or that the voters made different calls."""
+        failed = tuple(sorted(self.known))
+        for rank, (_, _, theirs) in sorted(votes):
+            if theirs != purpose:
+                return Decision(rank, self.rank << 16 | theirs[0] << 8 | purpose[0], failed, _DISAGREE)
+        value, ctx = -1, 0
+        for _, (f, c, _) in votes:
+            value, ctx = value & f, max(ctx, c)
+        return Decision(value, ctx, failed, purpose)
 
     def _decide(self, k: int, decision: Decision) -> None:
         self.decided[k] = decision
@@ -261,7 +303,7 @@ class Survival:
             except TcollError:  # its peer is lost, or the time is up: it was said as well as it can be
                 pass
 
-    def _send(self, rank: int, kind: bytes, k: int, flag: int, context: int,
+    def _send(self, rank: int, kind: bytes, k: int, flag: int, context: int, purpose: bytes = AGREE,
               failed: tuple[int, ...] | None = None) -> Any:
         """Send `rank` one of our notices; it carries `failed` (a decision's), else every rank known dead here.
 
@@ -274,13 +316,13 @@ class Survival:
         for dead in self.known if failed is None else failed:
             bitmap[dead >> 3] |= 1 << (dead & 7)
         return self._dispatcher.agreement.send_control(self._world[rank],
-                                                       _HEAD.pack(kind, k, flag, context) + bytes(bitmap))
+                                                       _HEAD.pack(kind, purpose, k, flag, context) + bytes(bitmap))
 
     def _receive(self, rank: int, payload: bytes) -> None:
         """A notice of ours came from `rank` (the engine's alarm, after a round of progress)."""
         if len(payload) < _HEAD.size or not 0 <= rank < self.size:
             return
-        kind, k, flag, context = _HEAD.unpack_from(payload)
+        kind, purpose, k, flag, context = _HEAD.unpack_from(payload)
         bitmap = payload[_HEAD.size:]
         dead = tuple(r for r in range(min(self.size, 8 * len(bitmap))) if bitmap[r >> 3] >> (r & 7) & 1)
         self._learn(set(dead), rank)
@@ -288,12 +330,12 @@ class Survival:
             self.revoke(flag if 0 <= flag < self.size else rank)
         elif kind == _DECIDE:  # (from a rank known dead: ignored, this rank votes with the next coordinator)
             if rank not in self.known and k not in self.decided:
-                self._decide(k, Decision(flag, context, dead))
+                self._decide(k, Decision(flag, context, dead, purpose))
         elif k in self.decided:  # a vote or a collect for a round decided here: tell the decision
             decision = self.decided[k]
-            self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.failed)
+            self._send(rank, _DECIDE, k, decision.flag, decision.context, decision.purpose, decision.failed)
         elif kind == _VOTE:
-            self._answers.setdefault(k, {})[rank] = (flag, context)
+            self._answers.setdefault(k, {})[rank] = (flag, context, purpose)
         elif self._vote is not None and self._vote[0] == k:  # a COLLECT for the round this rank votes in:
             self._send(rank, _VOTE, *self._vote)  # (again: its first vote may have gone to a rank it thought led)
         # a COLLECT for a round not begun here: this rank votes to its sender as it begins it
@@ -381,10 +423,10 @@ def shrink(comm: Communicator, timeout: float | None = None) -> Communicator:
     engine = core.engine
     wait = comm.timeout if timeout is None else timeout
     while True:
-        decision = survival.agree(1, engine.next_context, wait)
+        decision = survival.agree(1, engine.next_context, wait, SHRINK)
         survival.refresh()
         unseen = int(not set(survival.known) - set(decision.failed))
-        check = survival.agree(unseen, 0, wait)
+        check = survival.agree(unseen, 0, wait, CHECK)
         if check.flag and check.failed == decision.failed:  # nobody found another death since: it holds
             break
     engine.next_context = max(engine.next_context, decision.context + 1)
