@@ -10,6 +10,7 @@ and the agreement's ring of recent calls.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import ml_dtypes
@@ -71,7 +72,75 @@ def test_repeated_calls_match_numpy(size: int, count: int, dtype: str) -> None:
     results = tcoll.spawn(repeated_calls, size, (count, dtype, 24), timeout=100, transport="shm", shm_slot=SLOT,
                           shm_one_step=1024)
     if size == 2:  # (more ranks than cores: a call runs whole only when every rank comes within the spin)
-        assert all(counts["all_reduce"] > 0 and counts["plan"] > 0 for counts in results), results
+        assert all(counts["all_reduce"] > 0 and counts["plan"] > 0 and counts["reduce"] > 0
+                   for counts in results), results
+
+
+def late_peers(comm: tcoll.Communicator, count: int) -> tuple[int, int]:
+    """Rank 1 is late (busy for 3 ms) before every 4th call: the others' express calls hand over to Python
+    midway; every result is NumPy's and nothing is left pending. (handed over or not, calls run whole)"""
+    x = np.zeros(count, dtype=np.float32)
+    for call in range(16):
+        if comm.rank == 1 and call % 4 == 3:
+            _busy(0.003)
+        x[...] = np.arange(count) + comm.rank + call
+        comm.all_reduce(x)
+        np.testing.assert_array_equal(x, sum(np.arange(count, dtype=np.float32) + q + call for q in range(comm.size)))
+    dispatcher = comm.core.dispatch
+    assert dispatcher.arena.pending == 0 and dispatcher.sequence == 16
+    return _express(comm, x, ("all_reduce", "sum", "auto")).completed, dispatcher.sequence
+
+
+def _busy(seconds: float) -> None:
+    """Keep this rank busy (not asleep) for `seconds`."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", [3, 3000], ids=["one-step", "three-steps"])
+def test_a_late_peer_hands_the_call_over_to_python(count: int) -> None:
+    results = tcoll.spawn(late_peers, 3, (count,), timeout=50, transport="shm", shm_slot=SLOT, shm_one_step=1024)
+    assert all(sequence == 16 for _, sequence in results), results
+
+
+def interrupted(comm: tcoll.Communicator) -> list[str]:
+    """Rank 0's express call hands over (rank 1 is late) and an exception comes before Python takes the call
+    over; rank 0 goes on calling. What each call said: never a wrong result, and every rank raises."""
+    from tcoll.comm import reductions
+
+    comm.timeout = 20.0
+    if comm.rank == 0:
+        again = reductions.lean_again
+
+        def interrupt_once(dispatcher: Any, entry: Any, x: Any, handed_over: bool = False) -> Any:
+            if handed_over and "KeyboardInterrupt" not in said:
+                raise KeyboardInterrupt  # where a signal during the kernel's spin would land
+            return again(dispatcher, entry, x, handed_over)
+
+        reductions.lean_again = interrupt_once
+    x, said = np.zeros(4), []
+    for call in range(12):
+        if comm.rank == 1 and call == 8:
+            _busy(0.01)
+        x[...] = comm.rank + call
+        try:
+            comm.all_reduce(x)
+            said.append("right" if (x == sum(range(comm.size)) + comm.size * call).all() else "WRONG")
+        except (KeyboardInterrupt, tcoll.TcollError) as exc:
+            said.append(type(exc).__name__)
+    return said
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_an_exception_before_python_takes_a_handed_over_call_is_no_silent_shift() -> None:
+    said = tcoll.spawn(interrupted, 2, timeout=50, transport="shm")
+    assert "WRONG" not in said[0] + said[1], said
+    assert "KeyboardInterrupt" in said[0], said
+    assert all(any(s.endswith("Error") for s in ours) for ours in said), said
 
 
 def another_call_at(comm: tcoll.Communicator, how: str) -> str:
@@ -147,7 +216,15 @@ def what_the_report_says(comm: tcoll.Communicator) -> tuple[int, dict[str, Any],
     dispatcher = comm.core.dispatch
     assert _express(comm, x, ("all_reduce", "sum", "auto")).completed > 0
     state = progress.calls(dispatcher.engine)[0]
-    return dispatcher.sequence, state, dispatcher.agreement._finished(dispatcher.sequence)
+    assert dispatcher.agreement.watch.high == dispatcher.sequence
+    plan = comm.all_reduce_init(x)
+    plan()
+    plan()
+    ring = dispatcher.agreement._finished(dispatcher.sequence - 2)
+    comm.close()
+    with pytest.raises(tcoll.TcollError, match="closed"):
+        plan()
+    return 10, state, ring
 
 
 @needs_kernel
@@ -179,3 +256,24 @@ def test_a_rank_that_dies_between_express_calls_is_named() -> None:
         tcoll.spawn(dies_in_express, 3, timeout=50, transport="shm", keep_going=True)
     results = raised.value.results
     assert results[0] == results[1] == "PeerLostError", results
+
+
+def read_only_elsewhere(comm: tcoll.Communicator, count: int) -> list[float]:
+    """A reduce whose ranks other than the root pass read-only arrays, twice (the second call remembered)."""
+    got = []
+    for _ in range(2):
+        x = np.full(count, comm.rank + 1.0)
+        if comm.rank != 0:
+            x.flags.writeable = False
+        comm.reduce(x, 0)
+        got.append(float(x[0]))
+    return got
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", [3, 3000], ids=["one-step", "three-steps"])
+def test_a_reduce_takes_read_only_arrays_on_the_other_ranks(count: int) -> None:
+    results = tcoll.spawn(read_only_elsewhere, 3, (count,), timeout=50, transport="shm", shm_slot=SLOT,
+                          shm_one_step=1024)
+    assert results == [[6.0, 6.0], [2.0, 2.0], [3.0, 3.0]], results

@@ -55,6 +55,7 @@ __all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "MISS", "lean_en
 LEAN_BYTES = 1 << 20  # buffers up to this size take the lean path: above it the call's bookkeeping is noise
 LEAN_ENTRIES = 32
 MISS = object()  # lean_again: the remembered call does not fit this buffer any more (check it anew)
+HANDED_OVER = express.HANDED_OVER  # what an express call returns when Python must go on with the call
 _NEVER = object()  # an entry's express: the call cannot run express (its op, dtype, size or path)
 
 
@@ -121,13 +122,16 @@ class Plan:
         if self._work is not None and not self._work.done():
             raise TcollError("this plan was started and not waited for: call plan.wait() first")
         run = self.run_express
-        if run is not None:
-            result = run(self._x)
-            if result is not None:
-                return result
+        result = None if run is None else run(self._x)
+        if result is not None and result is not HANDED_OVER:
+            return result
         if self._blocking is not None:
-            result = self._dispatch.run_prepared(self._blocking)
-            _renew_express(self._dispatch, self, self._blocking, self._x)
+            dispatcher = self._dispatch
+            if result is HANDED_OVER:
+                result = dispatcher.resume(self._blocking)
+            else:
+                result = dispatcher.run_prepared(self._blocking)
+            _renew_express(dispatcher, self, self._blocking, self._x)
             return result
         self.result = self._method(self._comm, *self._args, **self._kwargs)
         return self.result
@@ -246,16 +250,19 @@ def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call) -> Any:
     return result
 
 
-def lean_again(dispatcher: Dispatcher, entry: _Lean, x: Any) -> Any:
-    """Run a remembered blocking call again in Python (its express call did not), and renew its express call.
+def lean_again(dispatcher: Dispatcher, entry: _Lean, x: Any, handed_over: bool = False) -> Any:
+    """Run a remembered blocking call again in Python, or go on with the one its express call began and
+    handed over (`handed_over`); then renew its express call.
 
     Returns:
         The call's result, or MISS (nothing ran) if `x` no longer fits the entry: the caller checks it anew.
     """
-    arena = dispatcher.arena
-    if not (arena is not None and arena.pending) and not _fits(dispatcher, entry, x):
-        return MISS  # (with an express call's state pending, the call it began goes on as it was made)
-    result = dispatcher.run_prepared(entry.prepared)
+    if handed_over:
+        result = dispatcher.resume(entry.prepared)
+    elif not _fits(dispatcher, entry, x):
+        return MISS
+    else:
+        result = dispatcher.run_prepared(entry.prepared)
     _renew_express(dispatcher, entry, entry.prepared, x)
     return result
 

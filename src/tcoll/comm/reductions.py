@@ -18,7 +18,7 @@ import numpy as np
 from ..ops import Op
 from .calls import Call, numbered
 from .checks import apart, check_peer, output, reduction_input, row_counts
-from .plans import MISS, lean_again, lean_run
+from .plans import HANDED_OVER, MISS, lean_again, lean_run
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -63,6 +63,8 @@ def _again(comm: Communicator, key: Any, x: Any) -> Any:
     run = entry.run_express
     if run is not None:
         result = run(x)
+        if result is HANDED_OVER:  # it began the call: Python goes on with it
+            return lean_again(dispatcher, entry, x, True)
         if result is not None:
             return result
     return lean_again(dispatcher, entry, x)

@@ -52,6 +52,7 @@ typedef struct {
     Py_buffer *bell_views;
     int held;  /* how many of bell_views are held; -1: not even the arena */
     int retired;  /* the arena was closed: express calls (express.h) no longer step on it */
+    int busy;     /* steps under way (a thread's, the GIL released in its waits): retire() releases after them */
 } Kernel;
 
 static inline uint64_t min_counter(const Kernel *k) {
@@ -270,7 +271,9 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunA
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised");
         return -1;
     }
-    if (PyObject_GetBuffer(args[0], &a->view, PyBUF_WRITABLE) < 0) return -1;  /* PyBUF_SIMPLE: contiguous */
+    /* (contiguous either way; writable only where the result goes: a reduce's other ranks may pass a read-only
+     * array) */
+    if (PyObject_GetBuffer(args[0], &a->view, a->want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
     if (a->view.len > self->slot_bytes || a->view.len % ITEMSIZE[a->dtype]) {
         PyBuffer_Release(&a->view);
         PyErr_SetString(PyExc_ValueError, "arena kernel: the buffer does not fit a slot or its dtype");
@@ -298,10 +301,17 @@ static long step_small(Kernel *self, const RunArgs *a) {
     return DONE;
 }
 
+/* A step is over: a kernel retired meanwhile lets go of the mapping once no step is under way any more. */
+static void step_over(Kernel *self) {
+    if (--self->busy == 0 && self->retired) Kernel_release(self);
+}
+
 static PyObject *Kernel_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
     if (parse_run(self, args, nargs, &a) < 0) return NULL;
+    self->busy++;
     long state = step_small(self, &a);
+    step_over(self);
     PyBuffer_Release(&a.view);
     return PyLong_FromLong(state);
 }
@@ -368,15 +378,20 @@ static long step_split(Kernel *self, const RunArgs *a) {
 static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
     if (parse_run(self, args, nargs, &a) < 0) return NULL;
+    self->busy++;
     long state = step_split(self, &a);
+    step_over(self);
     PyBuffer_Release(&a.view);
     return PyLong_FromLong(state);
 }
 
-/* retire(): the arena closes; express calls made for it step on it no more (their gate is shut). */
+/* retire(): the arena closes; express calls made for it step on it no more, and the mapping and doorbells
+ * are let go now, or when the last step under way (another thread's) ends: an Express or a Plan that
+ * outlives the communicator keeps this object, not the memory. */
 static PyObject *Kernel_retire(Kernel *self, PyObject *unused) {
     (void)unused;
     self->retired = 1;
+    if (self->busy == 0) Kernel_release(self);
     Py_RETURN_NONE;
 }
 

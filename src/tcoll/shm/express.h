@@ -9,10 +9,13 @@
  * checked here (the buffer is the same object, dtype, address and length; nothing waits in the
  * agreement's queues) or shuts the communicator's Gate when it changes (a notice, an alarm, a revoke,
  * a failed call, a closed arena: tcoll.comm.agreement and tcoll.comm.dispatch). The express call does
- * what the Python path does on success, in the same order, and returns the result; whenever it
- * cannot finish (a peer that did not come within the spin, a descriptor that differs), it leaves the
- * state it reached in `arena.pending` and returns None, and the Python path goes on from there with
- * its full waiting, liveness and error reporting.
+ * what the Python path does on success, in the same order: it takes the call's number before the step
+ * (as Agreement.begin does, so that a notice about it is about a call under way or done), runs the
+ * step, records, and returns the result. Whenever the kernel cannot finish (a peer that did not come
+ * within the spin, a descriptor that differs), it shuts the gate, leaves the state it reached in
+ * `arena.pending` and returns HANDED_OVER: the Python path goes on with the same call from there
+ * (Dispatcher.resume), with its full waiting, liveness and error reporting. A hand-over that Python
+ * never took (an exception in between) is failed at this rank's next call (Dispatcher._abandoned).
  */
 
 /* A communicator's gate: the kernel its express calls may step on now, or NULL (shut). */
@@ -118,6 +121,7 @@ typedef struct {
 static uint64_t express_generation = 1;
 
 static PyObject *S_dtype, *S_step, *S_first, *S_pending, *S_sequence, *S_current, *S_high;
+static PyObject *HANDED_OVER;  /* what run() returns when the Python path must go on with the call */
 
 static int Express_traverse(Express *self, visitproc visit, void *arg) {
     Py_VISIT(self->gate);
@@ -168,6 +172,10 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
                           &arena, &dispatcher, &watch, &prepared, &PyList_Type, &seqs, &PyList_Type, &calls, &label,
                           &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield))
         return -1;
+    if (((Gate *)gate)->early == NULL) {
+        PyErr_SetString(PyExc_ValueError, "Express: the gate was not initialised");
+        return -1;
+    }
     if (dtype_code < 0 || dtype_code >= NDTYPES || op < 0 || op >= NOPS || PyList_GET_SIZE(seqs) != RING ||
         PyList_GET_SIZE(calls) != RING) {
         PyErr_SetString(PyExc_ValueError, "Express: unknown dtype or op code, or a ring that is not 64 long");
@@ -176,7 +184,7 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     uint64_t low, high;
     if (stamp_words(stamp, &low, &high) < 0) return -1;
     Py_buffer view;
-    if (PyObject_GetBuffer(x, &view, PyBUF_WRITABLE) < 0) return -1;
+    if (PyObject_GetBuffer(x, &view, want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
     int fits = view.len <= ((Kernel *)kernel)->slot_bytes && view.len % ITEMSIZE[dtype_code] == 0;
     self->buf = view.buf;
     self->len = view.len;
@@ -232,8 +240,8 @@ static int set_count(PyObject *obj, PyObject *name, uint64_t value) {
 }
 
 /* Whether the call may run now: the gate is open on this express call's kernel, nothing waits in the
- * agreement, and `x` is the array it was made for, as it was (dtype, address, length, writable). The
- * view is acquired when it returns 1. */
+ * agreement, and `x` is the array it was made for, as it was (dtype, address, length; writable if the
+ * result goes into it). The view is acquired when it returns 1. */
 static int may_run(Express *self, PyObject *x, Py_buffer *view) {
     Gate *gate = self->gate;
     if (x != self->x || gate->kernel != self->kernel || self->kernel->retired || PyDict_GET_SIZE(gate->early) ||
@@ -243,41 +251,45 @@ static int may_run(Express *self, PyObject *x, Py_buffer *view) {
     if (dtype == NULL) { PyErr_Clear(); return 0; }
     Py_DECREF(dtype);  /* (compared by identity only: self->dtype holds its own reference) */
     if (dtype != self->dtype) return 0;
-    if (PyObject_GetBuffer(x, view, PyBUF_WRITABLE) < 0) { PyErr_Clear(); return 0; }  /* read-only now */
+    if (PyObject_GetBuffer(x, view, self->want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {  /* read-only now */
+        PyErr_Clear();
+        return 0;
+    }
     if (view->buf != self->buf || view->len != self->len) { PyBuffer_Release(view); return 0; }
     return 1;
 }
 
-/* What the Python path records of a call that finished well: its number on the dispatcher and the
- * engine's watch, the arena's steps, the hang report's last call, the agreement's ring. */
-static int record_done(Express *self, uint64_t sequence, uint64_t step) {
-    PyObject *number = PyLong_FromUnsignedLongLong(sequence);
-    if (number == NULL) return -1;
+/* Take the call's number, as Agreement.begin does before the call runs: on the dispatcher, and as the
+ * engine's watch's highest call started (so that what arrives for it is for a call under way or done). */
+static int take_number(Express *self, PyObject *number, uint64_t sequence) {
     uint64_t high;
-    int rc = -1;
     if (PyObject_SetAttr(self->dispatcher, S_sequence, number) < 0 || get_count(self->watch, S_high, &high) < 0)
-        goto out;
-    if (high < sequence && PyObject_SetAttr(self->watch, S_high, number) < 0) goto out;
+        return -1;
+    return high < sequence ? PyObject_SetAttr(self->watch, S_high, number) : 0;
+}
+
+/* What the Python path records of a call that finished well: the arena's steps, the hang report's last
+ * call, the agreement's ring. */
+static int record_done(Express *self, PyObject *number, uint64_t sequence, uint64_t step) {
+    int rc = -1;
     if (set_count(self->arena, S_step, step + (self->split ? 3 : 1)) < 0 || set_count(self->arena, S_first, step) < 0)
-        goto out;
+        return -1;
     PyObject *current = PyTuple_Pack(2, number, self->prepared);
-    if (current == NULL) goto out;
+    if (current == NULL) return -1;
     rc = PyObject_SetAttr(self->dispatcher, S_current, current);
     Py_DECREF(current);
-    if (rc < 0) goto out;
+    if (rc < 0) return -1;
     Py_ssize_t at = (Py_ssize_t)(sequence % RING);
     Py_INCREF(number);
     PyList_SetItem(self->seqs, at, number);  /* (steals the reference; cannot fail: at < RING) */
     Py_INCREF(self->said);
     PyList_SetItem(self->calls, at, self->said);
-    rc = 0;
-out:
-    Py_DECREF(number);
-    return rc;
+    return 0;
 }
 
-/* run(x): the call, whole; its result, or None when the Python path must run it or go on with it (then
- * arena.pending = sequence * 4 + how far the kernel got, when it got anywhere). */
+/* run(x): the call, whole; its result. None: it did not start (the Python path runs the call).
+ * HANDED_OVER: it started (its number taken) and the Python path must go on with it from
+ * arena.pending = sequence * 4 + how far the kernel got. */
 static PyObject *Express_run(Express *self, PyObject *x) {
     RunArgs a;
     if (!may_run(self, x, &a.view)) Py_RETURN_NONE;
@@ -287,6 +299,12 @@ static PyObject *Express_run(Express *self, PyObject *x) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    PyObject *number = PyLong_FromUnsignedLongLong(last + 1);
+    if (number == NULL || take_number(self, number, last + 1) < 0) {  /* (only out of memory) */
+        Py_XDECREF(number);
+        PyBuffer_Release(&a.view);
+        return NULL;
+    }
     a.dtype = self->dtype_code;
     a.op = self->op;
     a.yield = self->yield;
@@ -295,13 +313,23 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     a.spin_ns = self->spin_ns;
     a.stamp_low = self->stamp_low;
     a.stamp_high = self->stamp_high;
-    long state = self->split ? step_split(self->kernel, &a) : step_small(self->kernel, &a);
+    Kernel *kernel = self->kernel;
+    Py_INCREF(kernel);  /* (a thread that closes the communicator meanwhile retires it: it waits for this step) */
+    kernel->busy++;
+    long state = self->split ? step_split(kernel, &a) : step_small(kernel, &a);
+    step_over(kernel);
+    Py_DECREF(kernel);
     PyBuffer_Release(&a.view);
     if (state != DONE) {  /* the Python path takes the call over where the kernel left it */
+        Py_DECREF(number);
+        Py_CLEAR(self->gate->kernel);  /* no express call until Python has dealt with this one */
         if (set_count(self->arena, S_pending, a.sequence * 4 + (uint64_t)state) < 0) return NULL;
-        Py_RETURN_NONE;
+        Py_INCREF(HANDED_OVER);
+        return HANDED_OVER;
     }
-    if (record_done(self, a.sequence, a.step) < 0) return NULL;
+    int rc = record_done(self, number, a.sequence, a.step);
+    Py_DECREF(number);
+    if (rc < 0) return NULL;
     self->completed++;
     Py_INCREF(self->result);
     return self->result;
@@ -363,6 +391,8 @@ static int add_express(PyObject *m) {
     S_current = PyUnicode_InternFromString("current");
     S_high = PyUnicode_InternFromString("high");
     if (!S_dtype || !S_step || !S_first || !S_pending || !S_sequence || !S_current || !S_high) return -1;
+    HANDED_OVER = PyUnicode_InternFromString("handed over");  /* (a constant of the module: compared by identity) */
+    if (HANDED_OVER == NULL || PyModule_AddObjectRef(m, "HANDED_OVER", HANDED_OVER) < 0) return -1;
     if (PyType_Ready(&GateType) < 0 || PyType_Ready(&ExpressType) < 0) return -1;
     Py_INCREF(&GateType);
     if (PyModule_AddObject(m, "Gate", (PyObject *)&GateType) < 0) { Py_DECREF(&GateType); return -1; }

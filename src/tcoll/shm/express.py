@@ -18,9 +18,13 @@ arena is retired, and opens it again at the end of a call that ran in Python
 and found nothing pending (Dispatcher.open_gate). The express call also checks
 for itself that the array is the same object, with the same dtype, address
 and length, still writable, and that no message or notice waits. When it
-cannot finish (a peer later than its spin, descriptors that differ), it leaves
-where it got to in `arena.pending` and the Python path takes the call over
-from there, with its waiting, liveness checks and errors.
+cannot finish (a peer later than its spin, descriptors that differ), it shuts
+the gate, leaves where it got to in `arena.pending` and returns HANDED_OVER:
+the Python path takes the same call over from there (Dispatcher.resume), with
+its waiting, liveness checks and errors. If an exception (KeyboardInterrupt)
+comes between the two, the call was begun and not finished here: this rank's
+next call fails it as a call that failed here (the others are told, the
+arena is renewed), never pairs with it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ import numpy as np
 
 from .kernel_abi import kernel_module
 
-__all__ = ["new_gate", "build", "forget_all"]
+__all__ = ["HANDED_OVER", "new_gate", "build", "forget_all"]
+
+# What an express call returns when it began the call and the Python path must go on with it.
+HANDED_OVER = kernel_module.HANDED_OVER if kernel_module is not None else object()
 
 _COLLECTIVES = ("all_reduce", "reduce")
 
