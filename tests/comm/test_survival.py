@@ -100,7 +100,8 @@ def _revoke_body(comm: tcoll.Communicator) -> dict[str, Any]:
         except tcoll.RevokedError as exc:
             seen["blocked"] = exc.rank
     for name, call in [("all_reduce", lambda: comm.all_reduce(buf)), ("send", lambda: comm.send(buf, 0)),
-                       ("irecv", lambda: comm.irecv(buf, 0))]:
+                       ("irecv", lambda: comm.irecv(buf, 0)),
+                       ("bad argument", lambda: comm.all_reduce(buf, op="no such op"))]:  # the state says first
         try:
             call()
         except tcoll.RevokedError:
@@ -116,7 +117,8 @@ def _revoke_body(comm: tcoll.Communicator) -> dict[str, Any]:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_revoke_reaches_ranks_that_wait_on_others(transport: str) -> None:
     results = tcoll.spawn(_revoke_body, 3, timeout=30, transport=transport)
-    later = {"all_reduce": "RevokedError", "send": "RevokedError", "irecv": "RevokedError", "agree": 1, "size": 3}
+    later = {"all_reduce": "RevokedError", "send": "RevokedError", "irecv": "RevokedError",
+             "bad argument": "RevokedError", "agree": 1, "size": 3}
     assert results[0] == later
     assert results[1] == results[2] == dict(later, blocked=0)
 

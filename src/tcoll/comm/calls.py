@@ -111,12 +111,17 @@ def numbered(label: str) -> Callable[[_Method], _Method]:
     A bad argument on one rank raises there (ValueError, TypeError) before
     anything is sent; the call still takes its number and the other ranks
     are told, so their part of the call fails too and later calls still pair.
+    On a closed or revoked communicator the call raises that first
+    (TcollError, RevokedError), whatever its arguments.
     """
 
     def wrap(fn: _Method) -> _Method:
         @functools.wraps(fn)
         def method(comm: Any, *args: Any, **kwargs: Any) -> Any:
-            dispatcher = comm.core.dispatch
+            core = comm.core
+            if not core.usable:
+                core.check_open()
+            dispatcher = core.dispatch
             before = dispatcher.sequence
             try:
                 return fn(comm, *args, **kwargs)
