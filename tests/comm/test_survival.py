@@ -9,6 +9,7 @@ its SpawnError carries every rank's result.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,58 @@ def test_revoke_reaches_ranks_that_wait_on_others(transport: str) -> None:
              "bad argument": "RevokedError", "agree": 1, "size": 3}
     assert results[0] == later
     assert results[1] == results[2] == dict(later, blocked=0)
+
+
+def _revoke_past_a_blocked_send_and_a_probe(comm: tcoll.Communicator) -> dict[str, Any]:
+    """Rank 0 sends rank 1 a message larger than the ring that rank 1 never receives (rank 0 blocks in the
+    send), rank 2 blocks in a probe for a message that never comes; rank 1 revokes. Both raise RevokedError
+    long before the timeout (the send's bytes are drained on the revoked communicator); the survivors'
+    new communicator carries a large message between ranks 0 and 1 (the channel is not stuck behind the old
+    one)."""
+    comm.timeout = 30.0
+    seen: dict[str, Any] = {}
+    big = np.full(3 << 20, float(comm.rank))  # 24 MiB: more than a ring holds
+    flag = np.zeros(1)
+    began = time.monotonic()
+    if comm.rank == 0:
+        comm.send(flag, 1, tag=1)  # "I am about to block"
+        try:
+            comm.send(big, 1, tag=2)
+            seen["send"] = "returned"
+        except tcoll.RevokedError:
+            seen["send"] = "RevokedError"
+    elif comm.rank == 1:
+        comm.recv(flag, 0, tag=1)
+        comm.recv(flag, 2, tag=1)
+        time.sleep(0.2)  # (both are inside their calls by now, or about to be: either way they must leave)
+        comm.revoke()
+    else:
+        comm.send(flag, 1, tag=1)
+        try:
+            comm.probe(0, tag=7)  # never sent
+            seen["probe"] = "found"
+        except tcoll.RevokedError:
+            seen["probe"] = "RevokedError"
+    seen["seconds"] = time.monotonic() - began
+    new = comm.shrink()
+    if new.rank == 0:
+        new.send(np.arange(3 << 20, dtype=np.float64), 1, tag=3)
+    elif new.rank == 1:
+        got = np.empty(3 << 20)
+        new.recv(got, 0, tag=3)
+        seen["after"] = bool((got == np.arange(3 << 20)).all())
+    new.barrier()
+    return seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_revoke_ends_a_blocked_send_and_a_probe(transport: str) -> None:
+    results = tcoll.spawn(_revoke_past_a_blocked_send_and_a_probe, 3, timeout=50, transport=transport,
+                          shm_ring=1 << 20)
+    assert results[0]["send"] == "RevokedError" and results[2]["probe"] == "RevokedError", results
+    assert all(r["seconds"] < 10 for r in results), results
+    assert results[1]["after"] is True, results
 
 
 def _revoke_in_a_collective(comm: tcoll.Communicator) -> str:

@@ -120,13 +120,15 @@ def test_without_the_flag_the_survivors_are_stopped(tmp_path: Path) -> None:
 
 
 PAUSE_AFTER_DEATH = """
-    import os, pathlib, signal
+    import os, pathlib, signal, time
     rank = int(os.environ["RANK"])
     if rank == 0:  # only SIGKILL, after the grace period, stops this rank
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pathlib.Path(f"pid{rank}.tmp").write_text(str(os.getpid()))
     os.rename(f"pid{rank}.tmp", f"pid{rank}")
-    if rank == 2:
+    if rank == 2:  # once the survivors have said who they are (the test reads their pids at the death)
+        while not (os.path.exists("pid0") and os.path.exists("pid1")):
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     signal.pause()
 """

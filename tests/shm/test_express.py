@@ -63,11 +63,14 @@ def repeated_calls(comm: tcoll.Communicator, count: int, dtype: str, calls: int)
     return counts
 
 
+CASES = ([(2, count, dtype) for count in (3, 3000) for dtype in ("float32", "int64", "bfloat16")]
+         + [(size, count, "float32") for size in (3, 5) for count in (3, 3000)])
+
+
 @needs_kernel
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
-@pytest.mark.parametrize("count", [3, 3000], ids=["one-step", "three-steps"])
-@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("size,count,dtype", CASES, ids=[f"{s}-{'one-step' if c == 3 else 'three-steps'}-{d}"
+                                                          for s, c, d in CASES])
 def test_repeated_calls_match_numpy(size: int, count: int, dtype: str) -> None:
     results = tcoll.spawn(repeated_calls, size, (count, dtype, 24), timeout=100, transport="shm", shm_slot=SLOT,
                           shm_one_step=1024)

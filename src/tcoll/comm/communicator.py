@@ -221,6 +221,8 @@ class Communicator:
                                                         and engine.send_now(view, peer, ctx, tag)):
                 return
         self.isend(buf, dst, tag).wait(self.timeout if timeout is None else timeout)
+        if not core.usable:  # revoked while it waited: its peer drained the bytes without receiving them
+            core.check_open()
 
     def recv(self, buf: Any, src: int, tag: int = 0, timeout: float | None = None) -> Any:
         """Receive a message from rank `src` into `buf` and return `buf` (see irecv).

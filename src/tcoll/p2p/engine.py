@@ -123,9 +123,14 @@ class Engine:
         return peer in self._lost
 
     def withdraw(self, ctx: int, error: BaseException) -> None:
-        """Fail with `error` every receive posted in context `ctx` that no message has matched yet."""
+        """Close context `ctx` (a revoked communicator's point-to-point one) with `error`.
+
+        Every receive posted in it that no message has matched yet fails with `error`, and so does
+        every probe of it; what comes for it from now on is drained and dropped, so a peer blocked
+        sending on it finishes instead of waiting for a receive that will not come.
+        """
         with self.lock:
-            self._fail_all(self.matcher.withdraw(ctx), error)
+            self._fail_all(self.matcher.withdraw(ctx, error), error)
             self._wake_own()
 
     def cancel(self, work: RecvWork) -> bool:
@@ -249,6 +254,8 @@ class Engine:
                 with self.lock:
                     self._progress()
                     message = found()
+                    if message is None and ctx in matcher.closed:  # revoked meanwhile
+                        raise fresh(matcher.closed[ctx])
                     if message is None and peer >= 0:
                         self._check_peer(peer)  # a lost peer sends nothing more
                 if message is not None or deadline is None:
@@ -258,7 +265,8 @@ class Engine:
                     what = f"{'any rank' if peer < 0 else f'rank {peer}'}, tag {'any' if tag < 0 else tag}"
                     raise TimeoutError(f"probe ({what}) found no message within {timeout:g} s",
                                        [peer] if peer >= 0 else [])
-                self.block_unless(lambda: found() is not None, min(left, self.settings.liveness_interval))
+                self.block_unless(lambda: found() is not None or ctx in matcher.closed,
+                                  min(left, self.settings.liveness_interval))
         finally:
             with self.lock:
                 matcher.probing -= 1

@@ -53,6 +53,7 @@ class Matcher:
         self.posted_from = [0] * engine.size
         self.unexpected: dict[_Key, deque[RecvWork]] = {}
         self.abandoned: deque[tuple[int, int, int]] = deque(maxlen=_ABANDONED_KEPT)  # (ctx, lo, hi) tags
+        self.closed: dict[int, BaseException] = {}  # context -> why: its messages are drained, its probes raise
         self.watches: dict[int, BlockWatch] = {}  # context -> its owner's watch (collective contexts)
         self.alarms: list[tuple[BlockWatch, str, int, int, int, bytes]] = []  # run after the round of progress
         self.wild: dict[int, list[RecvWork]] = {}  # ctx -> receives with a wildcard peer or tag, in post order
@@ -174,8 +175,18 @@ class Matcher:
             if not kept:
                 del self.unexpected[key]
 
-    def withdraw(self, ctx: int) -> list[RecvWork]:
-        """Take out every receive posted in context `ctx` that no message has matched yet, to fail them."""
+    def withdraw(self, ctx: int, error: BaseException | None = None) -> list[RecvWork]:
+        """Take out every receive posted in context `ctx` that no message has matched yet, to fail them.
+
+        Args:
+            error: also close the context (a revoked communicator's): what came for it is dropped, what
+                comes is drained without being kept (a sender blocked on it finishes), and a probe of it
+                raises `error`.
+        """
+        if error is not None:
+            self.closed[ctx] = error
+            for key in [k for k in self.unexpected if k[1] == ctx]:
+                del self.unexpected[key]
         works = [w for key in [k for k in self.posted if k[1] == ctx] for w in self.posted.pop(key)]
         for work in works:
             self.posted_from[work.peer] -= 1
@@ -229,6 +240,8 @@ class Matcher:
             return self._matched(work, nbytes, stamp)
         if self.abandoned and any(c == ctx and lo <= tag < hi for c, lo, hi in self.abandoned):
             return self.sink(peer, ctx, tag, nbytes, "late message of a failed call")
+        if self.closed and ctx in self.closed:
+            return self.sink(peer, ctx, tag, nbytes, "message on a revoked communicator")
         watch = self.watches.get(ctx) if self.watches else None
         kind = None if watch is None else watch.classify(tag, stamp)
         if kind is not None:
