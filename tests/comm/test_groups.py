@@ -166,3 +166,31 @@ def test_a_bad_argument_on_one_rank_fails_the_call_on_every_rank(transport: str,
                 assert said.startswith("PeerFailedError") and "rank 0" in said, (rank, name, said)
             assert after == want, (rank, name, report)
         assert report["after"] == [size, want], (rank, report)
+
+
+def _after_close(comm: tcoll.Communicator) -> list[tuple[int, int, int]]:
+    """Rank 0 closes a dup with a receive still posted on it; rank 1 then sends on the dup and makes calls
+    on it that rank 0 never joins. What rank 0 keeps of the dup's contexts afterwards (nothing)."""
+    dup = comm.dup()
+    posted = dup.irecv(np.zeros(1), 1, tag=9) if comm.rank == 0 else None
+    if comm.rank == 0:
+        dup.close()
+        with pytest.raises(tcoll.TcollError, match="closed"):
+            posted.wait(5)
+    comm.barrier()
+    if comm.rank == 1:
+        for tag in range(40):
+            dup.send(np.full(8, tag), 0, tag=tag)
+        dup.isend(np.zeros(1 << 20), 0, tag=99).wait(10)  # large: drained by rank 0, not left in the channel
+        dup.close()
+    comm.barrier()
+    engine = comm.core.engine
+    engine.poll()
+    contexts = {dup.core.p2p_ctx, dup.core.dispatch.ctx}
+    return [key for key in engine.matcher.unexpected if key[1] in contexts]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_what_comes_for_a_closed_communicator_is_not_kept(transport: str) -> None:
+    assert tcoll.spawn(_after_close, 2, timeout=50, transport=transport) == [[], []]

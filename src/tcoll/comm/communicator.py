@@ -307,7 +307,8 @@ class Communicator:
 
         Not collective: each rank closes its own side. Idempotent. Closing a
         sub-communicator (from split, group or dup) only marks it closed:
-        its channels belong to the world it came from. Closing the communicator
+        its channels belong to the world it came from; its pending receives
+        fail, and what its peers still send on it is drained and dropped. Closing the communicator
         that shrink() made closes the one it replaced too (the world's: all).
 
         A disagreement that showed only after the last call it concerns (a late
@@ -332,6 +333,10 @@ class Communicator:
         # A sub-communicator's arena goes with it, not with the world.
         wait = min(self.timeout, _LINGER) if self._parent is None and linger else 0.0
         found = core.dispatch.close(wait)
+        if self._parent is not None and not core.engine.closed:  # what still comes for it is dropped, not kept
+            gone = TcollError("the communicator is closed")
+            for ctx in (core.p2p_ctx, core.dispatch.ctx):
+                core.engine.withdraw(ctx, gone)
         if self._parent is None:
             core.engine.close()
             for transport in core.transports:
