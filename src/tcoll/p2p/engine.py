@@ -6,12 +6,11 @@ their receive was posted. Progress is driven by the callers: whoever waits
 moves data for everyone (as MPI does without a progress thread), under one
 lock, so concurrent waiters on several threads are safe.
 
-Waiting is adaptive (see `tcoll.p2p.waiting`): poll for a self-tuned budget
-(yielding the CPU at each poll when ranks outnumber cores), then block on this
-rank's doorbell, which every peer rings after it publishes
-data or frees space for us. While blocked, the engine wakes every
-`liveness_interval` seconds to ask the channels it waits on whether their
-peers still live, so a dead peer fails its operations in seconds.
+Waiting is adaptive (see `tcoll.p2p.waiting`): poll for a self-tuned budget (yielding the CPU at each
+poll when ranks outnumber cores), then block on this rank's doorbell, which every peer rings after it
+publishes data or frees space for us. While blocked, the engine wakes every `liveness_interval` seconds
+to ask the channels it waits on whether their peers still live, so a dead peer fails its operations in
+seconds.
 """
 
 from __future__ import annotations
@@ -123,12 +122,8 @@ class Engine:
         return peer in self._lost
 
     def withdraw(self, ctx: int, error: BaseException) -> None:
-        """Close context `ctx` (a revoked communicator's point-to-point one) with `error`.
-
-        Every receive posted in it that no message has matched yet fails with `error`, and so does
-        every probe of it; what comes for it from now on is drained and dropped, so a peer blocked
-        sending on it finishes instead of waiting for a receive that will not come.
-        """
+        """Close context `ctx` with `error`: its unmatched receives and its probes fail with it, and what comes
+        for it is drained and dropped (a peer blocked sending on it finishes; see Matcher.withdraw)."""
         with self.lock:
             self._fail_all(self.matcher.withdraw(ctx, error), error)
             self._wake_own()
@@ -238,7 +233,7 @@ class Engine:
             The message's record (its peer, tag and nbytes are set), or None (looked once: none yet).
 
         Raises:
-            tcoll.TimeoutError: blocking, and none came in time.
+            tcoll.TimeoutError: blocking, and none came in time. The context's error: it was closed (withdraw).
         """
         matcher = self.matcher
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -254,8 +249,8 @@ class Engine:
                 with self.lock:
                     self._progress()
                     message = found()
-                    if message is None and ctx in matcher.closed:  # revoked meanwhile
-                        raise fresh(matcher.closed[ctx])
+                    if message is None and ctx in matcher.closed:
+                        raise fresh(matcher.closed[ctx])  # (revoked meanwhile)
                     if message is None and peer >= 0:
                         self._check_peer(peer)  # a lost peer sends nothing more
                 if message is not None or deadline is None:
@@ -265,8 +260,7 @@ class Engine:
                     what = f"{'any rank' if peer < 0 else f'rank {peer}'}, tag {'any' if tag < 0 else tag}"
                     raise TimeoutError(f"probe ({what}) found no message within {timeout:g} s",
                                        [peer] if peer >= 0 else [])
-                self.block_unless(lambda: found() is not None or ctx in matcher.closed,
-                                  min(left, self.settings.liveness_interval))
+                self.block_unless(lambda: found() or ctx in matcher.closed, min(left, self.settings.liveness_interval))
         finally:
             with self.lock:
                 matcher.probing -= 1
@@ -483,8 +477,7 @@ class Engine:
     def _fail_all(works: list[RecvWork], error: BaseException) -> None:
         """Fail `works`, taken out of the engine's queues first: failing runs callbacks that may cancel others."""
         for work in works:
-            if not work._done:
-                work._fail(error)
+            work._fail(error)  # (a work done already stays as it was: _fail does nothing then)
 
     def close(self) -> None:
         """Close every channel; pending operations fail."""
