@@ -115,7 +115,8 @@ class Settings:
         coll_chunk: bytes per message of the pipelined collective algorithms (ring,
             chain); small values exercise the multi-chunk paths (TCOLL_COLL_CHUNK).
         shm_slot: bytes each rank stages per step of the shared-memory direct collectives;
-            larger messages are pipelined through its two slots (TCOLL_SHM_SLOT).
+            larger messages are pipelined through its two slots; -1: 1 MiB, or 2 MiB where the
+            host's ranks outnumber its cores (TCOLL_SHM_SLOT).
         shm_one_step: the largest shared-memory all_reduce/reduce, in bytes, that runs in one arena
             step (every rank reduces every vector); -1: the measured default for the host's rank count
             (tcoll.shm.vector.ONE_STEP_LIMITS). Rank 0's value rules, as for shm_slot
@@ -149,7 +150,7 @@ class Settings:
     socket_ifname: str = ""
     auth_key: str = ""
     coll_chunk: int = 1 << 20
-    shm_slot: int = 1 << 20
+    shm_slot: int = -1
     shm_one_step: int = -1
     shm_kernel: str = "auto"
     algorithms: str = ""
@@ -236,8 +237,8 @@ class Settings:
         self.forced_algorithms()  # raises on a malformed TCOLL_ALGO
         if self.coll_chunk < 16:
             raise ValueError(f"coll_chunk must be at least 16 bytes, not {self.coll_chunk}")
-        if self.shm_slot < 64:
-            raise ValueError(f"shm_slot must be at least 64 bytes, not {self.shm_slot}")
+        if self.shm_slot < 64 and self.shm_slot != -1:
+            raise ValueError(f"shm_slot must be at least 64 bytes (or -1, the default), not {self.shm_slot}")
         if self.shm_one_step < -1:
             raise ValueError(f"shm_one_step must be a byte count (or -1, the default), not {self.shm_one_step}")
         if self.shm_kernel not in ("auto", "off"):

@@ -117,7 +117,7 @@ class Chooser:
 
     def slot_bytes(self) -> int:
         """The bytes of an arena slot, as rank 0 will size it (TCOLL_SHM_SLOT, the same on every rank)."""
-        return agreed_slot(self.engine.settings.shm_slot, self.size)
+        return agreed_slot(self.engine.settings.shm_slot, self.size, self.engine.spin.oversubscribed)
 
     def direct_capable(self) -> bool:
         """Whether every rank shares this host, so that direct algorithms can run (found once)."""

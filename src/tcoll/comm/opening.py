@@ -58,7 +58,7 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
     address = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
     segment, failure = None, None
     if dispatcher.rank == 0:
-        slot = agreed_slot(engine.settings.shm_slot, dispatcher.size)
+        slot = agreed_slot(engine.settings.shm_slot, dispatcher.size, engine.spin.oversubscribed)
         one_step = engine.settings.shm_one_step
         one_step = one_step_limit(dispatcher.size, engine.spin.oversubscribed) if one_step < 0 else one_step
         try:

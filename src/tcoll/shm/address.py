@@ -20,8 +20,22 @@ ADDRESS_BYTES = 256  # an arena's address as rank 0 broadcasts it: "<slot>:<one-
 _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 
 
-def agreed_slot(setting: int, size: int) -> int:
-    """The slot size rank 0 chooses from its setting (every rank then uses rank 0's)."""
+SLOT_BYTES = 1 << 20  # an arena slot by default (TCOLL_SHM_SLOT)
+# ... when the host's ranks outnumber its cores: every step's synchronisation may wait for a rank to be
+# scheduled, so fewer, larger pieces win (4 and 8 ranks on 2 cores, 2-32 MiB all_reduce: 5-19% faster than
+# with 1 MiB; 2 ranks with a core each were slower with 2 MiB: docs/performance.md)
+SLOT_BYTES_SHARED = 2 << 20
+
+
+def agreed_slot(setting: int, size: int, oversubscribed: bool = False) -> int:
+    """The slot size rank 0 chooses from its setting (every rank then uses rank 0's).
+
+    Args:
+        setting: TCOLL_SHM_SLOT in bytes; -1: the default (SLOT_BYTES, or SLOT_BYTES_SHARED where
+            the host's ranks outnumber its cores).
+    """
+    if setting < 0:
+        setting = SLOT_BYTES_SHARED if oversubscribed else SLOT_BYTES
     return max(64 * size, (setting + 63) & ~63)
 
 
