@@ -9,7 +9,9 @@ its SpawnError carries every rank's result.
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -515,10 +517,13 @@ def test_a_revoke_that_comes_between_calls_ends_the_next_one(transport: str) -> 
 
 
 def _decided_then_left(comm: tcoll.Communicator) -> Any:
-    """The coordinator (rank 0, voting 0b01) tells only rank 2 its decision, then dies; rank 2 returns and
-    leaves at once. Ranks 1 and 3 (voting 0b11) must still return rank 2's value, not a new AND of theirs."""
+    """The coordinator (rank 0, voting 0b01) tells only rank 2 its decision, and dies once rank 2 took it;
+    rank 2 returns and leaves at once. Ranks 1 and 3 (voting 0b11) must still return rank 2's value, not a new
+    AND of theirs. (Rank 0 waits for rank 2's word: should rank 2 hear of rank 0's death from another rank
+    before it reads the decision, it would not take it, and the survivors would rightly decide anew.)"""
     from tcoll.comm import survival
 
+    took = Path(tempfile.gettempdir()) / f"tcoll-test-{comm.run_id}-took"
     if comm.rank == 0:
         send = survival.Survival._send
 
@@ -526,14 +531,19 @@ def _decided_then_left(comm: tcoll.Communicator) -> Any:
             if kind != b"D":
                 return send(self, rank, kind, *args)
             if rank == 2:
-                work = send(self, rank, kind, *args)
-                if work is not None:
-                    work.wait(5)
+                send(self, rank, kind, *args)
+                deadline = time.monotonic() + 20
+                while not took.exists() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                took.unlink(missing_ok=True)
                 die()
             return None
 
         survival.Survival._send = tell_rank_2_only  # type: ignore[method-assign]
-    return comm.agree(0b01 if comm.rank == 0 else 0b11, timeout=20)
+    value = comm.agree(0b01 if comm.rank == 0 else 0b11, timeout=20)
+    if comm.rank == 2:
+        took.write_text(str(value))
+    return value
 
 
 @pytest.mark.timeout(60)
