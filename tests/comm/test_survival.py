@@ -126,7 +126,7 @@ def test_revoke_reaches_ranks_that_wait_on_others(transport: str) -> None:
     assert results[1] == results[2] == dict(later, blocked=0)
 
 
-def _revoke_past_a_blocked_send_and_a_probe(comm: tcoll.Communicator) -> dict[str, Any]:
+def _revoke_past_a_blocked_send_and_a_probe(comm: tcoll.Communicator, how: str) -> dict[str, Any]:
     """Rank 0 sends rank 1 a message larger than the ring that rank 1 never receives (rank 0 blocks in the
     send), rank 2 blocks in a probe for a message that never comes; rank 1 revokes. Both raise RevokedError
     long before the timeout (the send's bytes are drained on the revoked communicator); the survivors'
@@ -140,7 +140,10 @@ def _revoke_past_a_blocked_send_and_a_probe(comm: tcoll.Communicator) -> dict[st
     if comm.rank == 0:
         comm.send(flag, 1, tag=1)  # "I am about to block"
         try:
-            comm.send(big, 1, tag=2)
+            if how == "object":  # (its parts travel on a context of their own)
+                comm.send_object({"big": big}, 1, tag=2)
+            else:
+                comm.send(big, 1, tag=2)
             seen["send"] = "returned"
         except tcoll.RevokedError:
             seen["send"] = "RevokedError"
@@ -169,9 +172,10 @@ def _revoke_past_a_blocked_send_and_a_probe(comm: tcoll.Communicator) -> dict[st
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["array", "object"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_revoke_ends_a_blocked_send_and_a_probe(transport: str) -> None:
-    results = tcoll.spawn(_revoke_past_a_blocked_send_and_a_probe, 3, timeout=50, transport=transport,
+def test_revoke_ends_a_blocked_send_and_a_probe(transport: str, how: str) -> None:
+    results = tcoll.spawn(_revoke_past_a_blocked_send_and_a_probe, 3, (how,), timeout=50, transport=transport,
                           shm_ring=1 << 20)
     assert results[0]["send"] == "RevokedError" and results[2]["probe"] == "RevokedError", results
     assert all(r["seconds"] < 10 for r in results), results

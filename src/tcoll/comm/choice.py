@@ -116,8 +116,13 @@ class Chooser:
         return self._costs
 
     def slot_bytes(self) -> int:
-        """The bytes of an arena slot, as rank 0 will size it (TCOLL_SHM_SLOT, the same on every rank)."""
-        return agreed_slot(self.engine.settings.shm_slot, self.size, self.engine.spin.oversubscribed)
+        """The bytes of an arena slot that every rank can count on when it chooses (TCOLL_SHM_SLOT).
+
+        Where the setting is the default, rank 0 sizes the arena larger if it finds the host's ranks
+        outnumber its cores; ranks may see that differently (their CPU affinity), so choices rest on
+        the default's smaller size, which every rank computes alike and no arena falls short of.
+        """
+        return agreed_slot(self.engine.settings.shm_slot, self.size)
 
     def direct_capable(self) -> bool:
         """Whether every rank shares this host, so that direct algorithms can run (found once)."""

@@ -335,7 +335,7 @@ class Communicator:
         found = core.dispatch.close(wait)
         if self._parent is not None and not core.engine.closed:  # what still comes for it is dropped, not kept
             gone = TcollError("the communicator is closed")
-            for ctx in (core.p2p_ctx, core.dispatch.ctx):
+            for ctx in (core.p2p_ctx, parcels.parts_context(core.p2p_ctx), core.dispatch.ctx):
                 core.engine.withdraw(ctx, gone)
         if self._parent is None:
             core.engine.close()

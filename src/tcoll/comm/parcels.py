@@ -30,9 +30,15 @@ from .pickling import SLOTS, allocate, dump, load, overflow_for, size_record
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["send_object", "recv_object", "isend_object", "irecv_object", "sendrecv_object", "ObjectRecvWork"]
+__all__ = ["send_object", "recv_object", "isend_object", "irecv_object", "sendrecv_object", "ObjectRecvWork",
+           "parts_context"]
 
-_PARTS = 1 << 31  # context bit of an object's parts
+_PARTS = 1 << 31  # context bit of an object's parts (parts_context)
+
+
+def parts_context(ctx: int) -> int:
+    """The context on which the objects sent on point-to-point context `ctx` carry their parts."""
+    return ctx | _PARTS
 # Per engine, per (source, context, tag): the object receives that have their record, in the order the
 # records came; only the first posts its receives at a time, so each takes its own object's parts.
 _lines: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], deque[ObjectRecvWork]]] = \
@@ -80,6 +86,8 @@ def send_object(comm: Communicator, obj: Any, dst: int, tag: int = 0, timeout: f
         pickle.PicklingError, TypeError, ...: obj cannot be pickled (nothing is sent).
     """
     isend_object(comm, obj, dst, tag).wait(comm.timeout if timeout is None else timeout)
+    if not comm.core.usable:  # revoked while it waited: its peer drained the bytes without receiving them
+        comm.core.check_open()
 
 
 class ObjectRecvWork(Work):

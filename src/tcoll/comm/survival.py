@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MismatchError, PeerLostError, RevokedError, TcollError, TimeoutError, known_to_peers
+from .parcels import parts_context
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -155,7 +156,8 @@ class Survival:
         dispatcher.revoked, dispatcher.closed = error, True  # (closed: one test on the fast path; it raises error)
         dispatcher.lean.clear()
         dispatcher.agreement.stop_all(error)
-        self._engine.withdraw(core.p2p_ctx, error)
+        for ctx in (core.p2p_ctx, parts_context(core.p2p_ctx)):  # (objects' parts travel on a context of their own)
+            self._engine.withdraw(ctx, error)
         sent = [self._send(rank, _REVOKE, 0, by, 0) for rank in range(self.size)  # every rank passes it on
                 if rank != self.rank and rank != by]  # once: it reaches all even if `by` died sending it
         if by == self.rank:
