@@ -142,16 +142,18 @@ PAUSE_AFTER_DEATH = """
 def test_sigterm_still_stops_every_survivor(tmp_path: Path) -> None:
     launcher = _start(tmp_path, "-n", "3", "--keep-going", "--grace", "1", _script(tmp_path, PAUSE_AFTER_DEATH))
     assert launcher.stderr is not None
-    seen = []
-    for line in launcher.stderr:  # the death is reported while the survivors run on
-        seen.append(line)
-        if "was killed by SIGKILL" in line:
-            break
-    assert "rank 2" in "".join(seen), "".join(seen)
-    survivors = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
-    assert not any(_gone(pid) for pid in survivors)
-    launcher.send_signal(signal.SIGTERM)
-    code, _, err = _finish(launcher)
+    try:
+        seen = []
+        for line in launcher.stderr:  # the death is reported while the survivors run on
+            seen.append(line)
+            if "was killed by SIGKILL" in line:
+                break
+        assert "rank 2" in "".join(seen), "".join(seen)
+        survivors = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+        assert not any(_gone(pid) for pid in survivors)
+    finally:  # (a failed check must not leave the launcher and its pausing ranks behind)
+        launcher.send_signal(signal.SIGTERM)
+        code, _, err = _finish(launcher)
     assert code == 143 and "received SIGTERM, stopping 2 local ranks" in err, err
     assert all(_gone(pid) for pid in survivors)
 

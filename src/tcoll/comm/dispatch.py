@@ -109,23 +109,22 @@ class Dispatcher:
 
     def run_prepared(self, prepared: Prepared) -> Any:
         """Run a prepared call once more: a new sequence number, the same checks across ranks, no new choice."""
-        if self.closed or self.engine.closed:
-            raise self._closed_error()
-        if self.arena is not None and self.arena.pending:
-            self._abandoned()
-        self.sequence += 1  # _next(), inline
-        return self._run_numbered(self.sequence, prepared.call, prepared, prepared.async_op)
+        return self._run_numbered(self._next(), prepared.call, prepared, prepared.async_op)
 
     def resume(self, prepared: Prepared) -> Any:
         """Go on with a call its express call began and handed over (tcoll.shm.express): numbered already,
         its kernel state in arena.pending."""
         return self._run_numbered(self.sequence, prepared.call, prepared, False)
 
-    def _abandoned(self) -> None:
-        """An express call handed over and Python never took it (an exception, e.g. KeyboardInterrupt, came
-        in between): its number is taken and its step may be published. It failed here, as a call does:
-        the others are told (their part raises, or their next call), and the arena is renewed."""
-        sequence, self.arena.pending = self.arena.pending >> 2, 0  # type: ignore[union-attr]
+    def _fail_abandoned(self) -> None:
+        """Before a new number: fail an express call that handed over and that Python never took (an
+        exception, e.g. KeyboardInterrupt, came in between). Its number is taken and its step may be
+        published; it failed here, as a call does: the others are told (their part raises, or their next
+        call), and the arena is renewed."""
+        arena = self.arena
+        if arena is None or not arena.pending:
+            return
+        sequence, arena.pending = arena.pending >> 2, 0
         self.agreement.fail_unstarted(sequence, "collective", Call("collective", (), 0).stamp(None), TcollError(
             f"call #{sequence} was interrupted on rank {self.rank} after its shared-memory step began "
             "(an exception between the step and the rest of the call)"))
@@ -353,8 +352,7 @@ class Dispatcher:
         """
         if self.closed or self.engine.closed:
             return
-        if self.arena is not None and self.arena.pending:
-            self._abandoned()
+        self._fail_abandoned()
         self.sequence += 1
         self.agreement.fail_unstarted(self.sequence, label, Call(label, (), 0).stamp(None), error)
 
@@ -403,8 +401,7 @@ class Dispatcher:
     def _next(self) -> int:
         if self.closed or self.engine.closed:
             raise self._closed_error()
-        if self.arena is not None and self.arena.pending:
-            self._abandoned()
+        self._fail_abandoned()
         self.sequence += 1
         return self.sequence
 

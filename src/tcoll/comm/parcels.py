@@ -39,6 +39,8 @@ _PARTS = 1 << 31  # context bit of an object's parts (parts_context)
 def parts_context(ctx: int) -> int:
     """The context on which the objects sent on point-to-point context `ctx` carry their parts."""
     return ctx | _PARTS
+
+
 # Per engine, per (source, context, tag): the object receives that have their record, in the order the
 # records came; only the first posts its receives at a time, so each takes its own object's parts.
 _lines: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], deque[ObjectRecvWork]]] = \
@@ -67,8 +69,8 @@ def isend_object(comm: Communicator, obj: Any, dst: int, tag: int = 0) -> Work:
     engine, peer, ctx = comm.core.engine, comm.core.world[dst], comm.core.p2p_ctx
     works: list[Work] = [engine.isend(record.view(np.uint8), peer, ctx, tag)]
     if overflow.size:
-        works.append(engine.isend(overflow.view(np.uint8), peer, ctx | _PARTS, tag))
-    works += [engine.isend(part, peer, ctx | _PARTS, tag, obj) for part in parts]
+        works.append(engine.isend(overflow.view(np.uint8), peer, parts_context(ctx), tag))
+    works += [engine.isend(part, peer, parts_context(ctx), tag, obj) for part in parts]
     return GroupWork(engine, works, None, f"isend_object to rank {dst} (tag {tag})")
 
 
@@ -143,7 +145,7 @@ class ObjectRecvWork(Work):
 
     def _post(self, buf: np.ndarray) -> RecvWork:
         head = self._head
-        return self._comm.core.engine.irecv(buf.view(np.uint8), head.peer, head.ctx | _PARTS, head.tag)
+        return self._comm.core.engine.irecv(buf.view(np.uint8), head.peer, parts_context(head.ctx), head.tag)
 
     def _got_record_locked(self, head: Work) -> None:
         with self._comm.core.engine.lock:  # the record may have come at once, on the user's thread

@@ -53,7 +53,7 @@ class Matcher:
         self.posted_from = [0] * engine.size
         self.unexpected: dict[_Key, deque[RecvWork]] = {}
         self.abandoned: deque[tuple[int, int, int]] = deque(maxlen=_ABANDONED_KEPT)  # (ctx, lo, hi) tags
-        self.closed: dict[int, BaseException] = {}  # context -> why: its messages are drained, its probes raise
+        self.closed: dict[int, BaseException] = {}  # context -> why (revoked, closed): drained; probes raise
         self.watches: dict[int, BlockWatch] = {}  # context -> its owner's watch (collective contexts)
         self.alarms: list[tuple[BlockWatch, str, int, int, int, bytes]] = []  # run after the round of progress
         self.wild: dict[int, list[RecvWork]] = {}  # ctx -> receives with a wildcard peer or tag, in post order
@@ -241,7 +241,7 @@ class Matcher:
         if self.abandoned and any(c == ctx and lo <= tag < hi for c, lo, hi in self.abandoned):
             return self.sink(peer, ctx, tag, nbytes, "late message of a failed call")
         if self.closed and ctx in self.closed:
-            return self.sink(peer, ctx, tag, nbytes, "message on a revoked communicator")
+            return self.sink(peer, ctx, tag, nbytes, "message on a closed or revoked communicator")
         watch = self.watches.get(ctx) if self.watches else None
         kind = None if watch is None else watch.classify(tag, stamp)
         if kind is not None:

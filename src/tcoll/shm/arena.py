@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..algos.stamps import describe, disagreement
-from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, TransportError, fresh
+from ..errors import MismatchError, PeerLostError, TcollError, TimeoutError, fresh
 from ..p2p import notice, status
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
 from ..segments import Segment
@@ -132,9 +132,10 @@ class Arena:
         segment, self._segment = self._segment, None
         if segment is None:
             return
-        if isinstance(self.kernel, kernel_module.Kernel):
-            self.kernel.retire()  # express calls made for it fall back to Python, which finds the arena closed
-        self.kernel = None  # its exports of the mapping go with it (one still running keeps them)
+        retire = getattr(self.kernel, "retire", None)
+        if retire is not None:  # express calls made for it stop; it lets go of the mapping after its last step
+            retire()
+        self.kernel = None
         self._counters.release()
         self._desc.release()
         self._slots = []

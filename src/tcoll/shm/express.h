@@ -15,7 +15,7 @@
  * within the spin, a descriptor that differs), it shuts the gate, leaves the state it reached in
  * `arena.pending` and returns HANDED_OVER: the Python path goes on with the same call from there
  * (Dispatcher.resume), with its full waiting, liveness and error reporting. A hand-over that Python
- * never took (an exception in between) is failed at this rank's next call (Dispatcher._abandoned).
+ * never took (an exception in between) is failed at this rank's next call (Dispatcher._fail_abandoned).
  */
 
 /* A communicator's gate: the kernel its express calls may step on now, or NULL (shut). */

@@ -30,6 +30,7 @@ from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import OPS, Op
 from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, kernel_module
+from . import express
 from .bridge import combine_all, copy_bytes, kernel_codes, reduce_into
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
@@ -69,8 +70,7 @@ def set_one_step_limit(limit: int | None) -> None:
     """
     global _limit_override
     _limit_override = limit
-    if kernel_module is not None:
-        kernel_module.forget_all()  # express calls chose their steps by the old limit (tcoll.shm.express)
+    express.forget_all()  # express calls chose their steps by the old limit
 
 
 def one_step(nbytes: int, arena: Any) -> bool:
