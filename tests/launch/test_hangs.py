@@ -141,16 +141,23 @@ WAITS_FOR_GO = """
 """
 
 
+def _published(run_id: str, test: Any) -> dict[int, dict[str, Any]]:
+    """The job's published states, by rank, once `test` holds for them (pytest-timeout bounds the wait)."""
+    directory = status.job_dir(run_id)
+    while True:
+        states = {s["rank"]: s for s in status.read_job(directory)}
+        if test(states):
+            return states
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(90)
 def test_sigusr1_reports_and_the_job_goes_on(tmp_path: Path) -> None:
     run_id = f"hangusr1{os.getpid()}"
     proc = _start(tmp_path, WAITS_FOR_GO, 2, run_id, TCOLL_HANG_REPORT="0")
     try:
-        directory = status.job_dir(run_id)
-        deadline = time.monotonic() + 60
-        while not any(s.get("waiting") for s in status.read_job(directory)):  # rank 0 waits in its all_reduce
-            assert time.monotonic() < deadline, "rank 0 never published a wait"
-            time.sleep(0.05)
+        # rank 0 waits in its all_reduce; rank 1's line is read a tick after it stopped moving
+        _published(run_id, lambda s: len(s) == 2 and s[0].get("waiting") and s[1]["where"] == "job.py:5")
         proc.send_signal(signal.SIGUSR1)
         text = _until_verdict(proc)
         assert "rank 1 has made no call yet, and is at job.py:5" in text, text
@@ -203,16 +210,6 @@ STOPPED = """
             time.sleep(300)
         comm.all_reduce(x)
 """
-
-
-def _published(run_id: str, test: Any) -> dict[int, dict[str, Any]]:
-    """The job's published states, by rank, once `test` holds for them (pytest-timeout bounds the wait)."""
-    directory = status.job_dir(run_id)
-    while True:
-        states = {s["rank"]: s for s in status.read_job(directory)}
-        if test(states):
-            return states
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(90)
@@ -342,6 +339,10 @@ def test_the_verdict_follows_a_chain_to_the_rank_that_waits_for_nobody() -> None
                                 "ranks 0 and 1 wait for it in all_reduce #4")
     text = report("j", states, 110.0)
     assert "all_reduce #4 (ring, 16 B)" in text and "10 s" in text
+
+    states[2] = _state(2, where="")  # published before its stack was read
+    assert verdict({s["rank"]: Rank(s, 110.0) for s in states}, 3).startswith(
+        "rank 2 has made no call since all_reduce #3, and is at a line not sampled yet;")
 
 
 def test_a_cycle_of_collective_waits_is_a_deadlock_and_a_silent_rank_is_named() -> None:

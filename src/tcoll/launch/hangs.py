@@ -69,7 +69,12 @@ class Rank:
     def at(self) -> str:
         """Where its user code is: "job.py:7 (time.sleep(100))"."""
         code = self.state.get("code") or ""
-        return self.state.get("where", "?") + (f" ({code})" if code else "")
+        return (self.state.get("where") or "") + (f" ({code})" if code else "")
+
+    @property
+    def spot(self) -> str:
+        """`at` for a sentence: a rank's stack is read only a tick after it stopped moving, so it may be unknown."""
+        return self.at or "a line not sampled yet"
 
 
 def _bytes(count: Any) -> str:
@@ -172,10 +177,10 @@ def verdict(rows: dict[int, Rank], size: int, exited: dict[int, str] | None = No
         if row.stopped:  # its sampler is stopped too: its row is the last it wrote
             inside = f" in {row.label}" if row.label else ""
             return f"rank {row.rank} is stopped (SIGSTOP or a debugger: it does not answer), " \
-                   f"last seen{inside} at {row.at}{tail}"
+                   f"last seen{inside} at {row.spot}{tail}"
         if row.idle:
-            return f"rank {row.rank} has made {row.idle}, and is at {row.at}{tail}"
-        return f"rank {row.rank} is in {row.call} at {row.at}{tail}"
+            return f"rank {row.rank} has made {row.idle}, and is at {row.spot}{tail}"
+        return f"rank {row.rank} is in {row.call} at {row.spot}{tail}"
     cycle = _cycle(rows)
     if cycle:
         waiters = sorted({w for r in cycle for w in _waiting_on(rows, r)} - set(cycle))

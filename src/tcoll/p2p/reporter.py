@@ -83,6 +83,7 @@ class _Reporter:
                         self._report(entry, frames)
                     except Exception:  # noqa: BLE001 - reporting must never disturb the job
                         continue
+            frames.settle()
             del frames
 
     def _report(self, entry: _Watched, frames: _Frames) -> None:
@@ -148,14 +149,17 @@ class _Frames:
 
     def __init__(self, reporter: _Reporter) -> None:
         self._reporter, self._frames = reporter, None
+        self._threads = frozenset(thread.ident for thread in threading.enumerate())
 
     def get(self) -> dict[int, Any]:
         if self._frames is None:
-            threads = frozenset(thread.ident for thread in threading.enumerate())
-            steady = threads == self._reporter.threads
-            self._reporter.threads = threads
+            steady = self._threads == self._reporter.threads
             self._frames = status.thread_frames() if steady else {}
         return self._frames
+
+    def settle(self) -> None:
+        """Remember this tick's threads, looked at or not: the next tick may look if none came or went."""
+        self._reporter.threads = self._threads
 
 
 _reporter: _Reporter | None = None
