@@ -24,6 +24,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TCOLL_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH", "")) if p)
+    env["TCOLL_STATUS"] = "0.25"  # the ranks sample four times a second: a hang shows, and is reported, sooner
     env.update(extra)
     return env
 
@@ -78,9 +79,9 @@ ASLEEP = """
 @pytest.mark.timeout(90)
 def test_a_rank_asleep_in_user_code_is_named_with_its_line(tmp_path: Path) -> None:
     run_id = f"hangasleep{os.getpid()}"
-    proc = _start(tmp_path, ASLEEP, 4, run_id, TCOLL_HANG_REPORT="5", TCOLL_DUMP=str(tmp_path / "dump"))
+    proc = _start(tmp_path, ASLEEP, 4, run_id, TCOLL_HANG_REPORT="2", TCOLL_DUMP=str(tmp_path / "dump"))
     try:
-        text = _until_verdict(proc)
+        text = _until_verdict(proc, "time.sleep")  # a slow start may be reported first
         stuck_for = time.time() - (tmp_path / "asleep").stat().st_mtime
         assert stuck_for < 15, f"the report came {stuck_for:.0f} s after the hang began"
         verdict_line = text.splitlines()[-1]
@@ -118,9 +119,9 @@ DEADLOCK = """
 @pytest.mark.timeout(90)
 def test_a_receive_deadlock_names_both_ranks_and_their_lines(tmp_path: Path) -> None:
     run_id = f"hangdeadlock{os.getpid()}"
-    proc = _start(tmp_path, DEADLOCK, 2, run_id, TCOLL_HANG_REPORT="3")
+    proc = _start(tmp_path, DEADLOCK, 2, run_id, TCOLL_HANG_REPORT="1.5")
     try:
-        text = _until_verdict(proc)
+        text = _until_verdict(proc, "a deadlock")
         assert "verdict: ranks 0 and 1 each wait to receive from the other (tag 7): a deadlock" in text, text
         rows = [line for line in text.splitlines() if "recv from rank" in line]
         assert len(rows) == 2 and all("job.py:4" in row for row in rows), text
@@ -187,7 +188,7 @@ def test_a_rank_in_another_collective_is_a_deadlock_across_calls(tmp_path: Path)
     # Rank 2 enters a barrier of the sub-communicator {2, 3} that rank 3 never calls, while ranks 0, 1 and 3 wait
     # for it in the world's all_reduce #5 (the split is #1): no fingerprint can tell, and the timeout is long.
     run_id = f"hangother{os.getpid()}"
-    proc = _start(tmp_path, ANOTHER_CALL, 4, run_id, TCOLL_HANG_REPORT="3", TCOLL_TIMEOUT="120")
+    proc = _start(tmp_path, ANOTHER_CALL, 4, run_id, TCOLL_HANG_REPORT="1.5", TCOLL_TIMEOUT="120")
     try:
         text = _until_verdict(proc, "barrier")  # a slow start may be reported first
         assert ("verdict: a deadlock across calls: rank 2 in barrier #1 among ranks 2 and 3 (job.py:7) waits for "
@@ -217,7 +218,7 @@ def test_a_stopped_rank_is_named_as_stopped_with_its_last_line(tmp_path: Path) -
     # Rank 2 is stopped (SIGSTOP, as a debugger does) while it sleeps at line 6: its sampler stops with it, so its
     # published row is the last it wrote; the report tells from /proc that the process is stopped.
     run_id = f"hangstop{os.getpid()}"
-    proc = _start(tmp_path, STOPPED, 4, run_id, TCOLL_HANG_REPORT="3")
+    proc = _start(tmp_path, STOPPED, 4, run_id, TCOLL_HANG_REPORT="1.5")
     try:
         states = _published(run_id, lambda s: len(s) == 4 and s[2]["where"] == "job.py:6" and all(
             (s[r].get("waiting") or {}).get("peers") == [2] for r in (0, 1, 3)))
@@ -256,7 +257,7 @@ def test_a_ddp_rank_asleep_before_its_backward_is_named_with_its_line(tmp_path: 
     # backward(); its row names the user's backward line, rank 1's its sleep.
     pytest.importorskip("torch")
     run_id = f"hangddp{os.getpid()}"
-    proc = _start(tmp_path, DDP_ASLEEP, 2, run_id, TCOLL_HANG_REPORT="2")
+    proc = _start(tmp_path, DDP_ASLEEP, 2, run_id, TCOLL_HANG_REPORT="1.5")
     try:
         text = _until_verdict(proc, "time.sleep")  # a slow start (importing torch) may be reported first
         found = re.search(r"verdict: rank 1 has made no call since all_reduce #(\d+), and is at job\.py:9 "
@@ -295,8 +296,8 @@ def test_a_job_on_two_hosts_is_reported_whole_by_node_0(tmp_path: Path) -> None:
             runtime.mkdir(mode=0o700)
             args = [sys.executable, "-m", "tcoll", "run", "--nnodes", "2", "--node-rank", str(host), "--master",
                     f"{hosts.addrs[0]}:29500", "-n", "2", "--run-id", run_id, str(tmp_path / "job.py")]
-            launchers.append(hosts.start(host, args, env={"XDG_RUNTIME_DIR": str(runtime), "TCOLL_HANG_REPORT": "3",
-                                                          "TCOLL_TIMEOUT": "120"}, cwd=tmp_path))
+            launchers.append(hosts.start(host, args, env={"XDG_RUNTIME_DIR": str(runtime), "TCOLL_HANG_REPORT": "1.5",
+                                                          "TCOLL_STATUS": "0.25", "TCOLL_TIMEOUT": "120"}, cwd=tmp_path))
         lines = []
         assert launchers[0].stdout is not None
         for line in launchers[0].stdout:  # up to the verdict on the sleep (a slow start may be reported first)

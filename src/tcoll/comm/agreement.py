@@ -260,7 +260,7 @@ class Agreement:
         engine = self.engine
         deadline = time.monotonic() + linger
         peers = [w for w in self.world if w != engine.rank]
-        while self.poison is None and time.monotonic() < deadline:
+        while _unsettled(self.poison) and time.monotonic() < deadline:
             live = [w for w in peers if not engine.is_lost(w)]
             if not live:
                 return
@@ -383,7 +383,7 @@ class Agreement:
             return  # this rank raised that trouble already, or failed that call itself
         self.watch.failed.append(block)  # a call that finished here turns out to have disagreed:
         error.tcoll_cause = cause  # type: ignore[attr-defined]
-        self.poison = self.poison or error  # the next call raises it
+        self.poison = _cause_first(self.poison, error)  # the next call raises it
 
     def _explain(self, failed: Running, peer: int, theirs: int, payload: bytes) -> None:
         """A notice about a call that already failed here (its peer's connection closed first, say): it says why.
@@ -466,3 +466,17 @@ class Agreement:
             running.work.abort(error)
         else:
             self._on_alarm(error)
+
+
+def _cause_first(held: BaseException | None, new: BaseException) -> BaseException:
+    """Of two troubles found after their calls, the one to raise: the first, unless it is a rank's loss and the
+    new one says the ranks disagreed (a rank that raised a MismatchError may close, and be seen lost, before
+    its notice is read here: the disagreement is the cause)."""
+    if held is None or (isinstance(held, PeerLostError) and isinstance(new, MismatchError)):
+        return new
+    return held
+
+
+def _unsettled(poison: BaseException | None) -> bool:
+    """Whether a lingering close still waits: nothing found yet, or only a loss that a disagreement may explain."""
+    return poison is None or isinstance(poison, PeerLostError)
