@@ -430,15 +430,15 @@ class Engine:
         with self.lock:
             self._progress()
             for peer in peers:
-                lost = self._lost.get(peer)
-                if lost is not None:
-                    raise fresh(lost)
+                if peer in self._lost:
+                    raise fresh(self._lost[peer])
                 channel = self.channels[peer]
                 if channel is None:
                     continue
                 try:
                     channel.check_alive()
                 except PeerLostError as exc:
+                    self._progress()  # its last messages came before its end (a notice, say): take them in first
                     self.fail_peer(peer, exc)
                     raise
 
