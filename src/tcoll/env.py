@@ -124,6 +124,10 @@ class Settings:
         shm_kernel: "auto": the arena's steps of reductions, and blocking sends and receives between
             ranks of one host, run in the package's C kernels where they were built; "off": always
             in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
+        shm_single_copy: "on": a shared-memory all_reduce larger than a slot reads the other ranks' arrays in
+            place, one kernel copy (process_vm_readv), where every rank of the host may; "off" (the default,
+            faster on the CPUs measured: docs/performance.md): it copies them through the arena's slots
+            (TCOLL_SHM_SINGLE_COPY).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
         gpu: how calls move CUDA buffers: "auto" or "staging" (through pinned host memory, ordered on
@@ -153,6 +157,7 @@ class Settings:
     shm_slot: int = -1
     shm_one_step: int = -1
     shm_kernel: str = "auto"
+    shm_single_copy: str = "off"
     algorithms: str = ""
     gpu: str = "auto"
     tcp_dead_after: float = 5.0
@@ -176,6 +181,7 @@ class Settings:
         "shm_slot": ("TCOLL_SHM_SLOT", parse_size),
         "shm_one_step": ("TCOLL_SHM_ONE_STEP", parse_size),
         "shm_kernel": ("TCOLL_SHM_KERNEL", str),
+        "shm_single_copy": ("TCOLL_SHM_SINGLE_COPY", str),
         "algorithms": ("TCOLL_ALGO", str),
         "gpu": ("TCOLL_GPU", str),
         "tcp_dead_after": ("TCOLL_TCP_DEAD_AFTER", float),
@@ -243,6 +249,8 @@ class Settings:
             raise ValueError(f"shm_one_step must be a byte count (or -1, the default), not {self.shm_one_step}")
         if self.shm_kernel not in ("auto", "off"):
             raise ValueError(f"shm_kernel must be 'auto' or 'off', not {self.shm_kernel!r}")
+        if self.shm_single_copy not in ("on", "off"):
+            raise ValueError(f"shm_single_copy must be 'on' or 'off', not {self.shm_single_copy!r}")
         if self.gpu == "nccl":
             raise ValueError("gpu='nccl' (TCOLL_GPU): tcoll's NCCL path is not built yet; CUDA buffers move "
                              "through host staging ('auto' or 'staging')")

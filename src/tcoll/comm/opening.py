@@ -56,7 +56,7 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
     opening = f"{description}, opening the shared-memory arena"
     _arena_barrier(dispatcher, team, opening, running)
     address = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
-    segment, failure = None, None
+    segment, failure, arena = None, None, None
     if dispatcher.rank == 0:
         slot = agreed_slot(engine.settings.shm_slot, dispatcher.size, engine.spin.oversubscribed)
         one_step = engine.settings.shm_one_step
@@ -78,11 +78,31 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
         slot, one_step, path, name = found
         if segment is None:
             segment = open_segment(path, name)
+        arena = Arena(engine, dispatcher.world, dispatcher.rank, segment, slot, heap_of(engine, dispatcher.run_id),
+                      one_step)
+        arena.write_identity(engine.settings.shm_single_copy == "on")
         _arena_barrier(dispatcher, team, opening, running)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
     finally:
         if dispatcher.rank == 0 and segment is not None:
             segment.unlink()
-    return Arena(engine, dispatcher.world, dispatcher.rank, segment, slot, heap_of(engine, dispatcher.run_id), one_step)
+    _decide_single_copy(dispatcher, team, opening, running, arena)
+    return arena
+
+
+def _decide_single_copy(dispatcher: Dispatcher, team: Team, description: str, running: Running, arena: Arena) -> None:
+    """Every rank probes whether it reads every other's memory in one copy; all use it only if all can
+    (tcoll.shm.single_copy). The barrier before it: every rank wrote its identity; the one here: its verdict."""
+    try:
+        arena.probe_single_copy()
+        _arena_barrier(dispatcher, team, description, running)
+    except BaseException:
+        arena.close()
+        raise
+    arena.decide_single_copy()
 
 
 def _arena_barrier(dispatcher: Dispatcher, team: Team, description: str, running: Running) -> None:

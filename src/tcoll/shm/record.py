@@ -168,8 +168,11 @@ class RecordingArena:
     def peer_buffer(self, step: int, rank: int) -> None:
         return None
 
-    def lend(self, raw: np.ndarray, total: int) -> None:
+    def lend(self, raw: np.ndarray, total: int, anywhere: bool = False) -> None:
         return None
+
+    def all_lent(self, step: int) -> bool:
+        return False
 
     def finish_lending(self, total: int, lent: bool) -> None:
         if total >= ZERO_COPY_BYTES:  # as Arena: every rank takes the closing step of a large call

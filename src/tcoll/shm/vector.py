@@ -246,11 +246,15 @@ def _copy_other_parts(arena: Arena, raw: np.ndarray, dtype: np.dtype, lo: int, h
 def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
     """Per slot-sized piece: write all but this rank's own part of it, publish; reduce that part over every
     rank's input (its own in place) into this rank's slot of the next step and its buffer, publish; copy
-    the other ranks' parts out. A buffer lent in place (comm.empty) is read there, not copied in."""
+    the other ranks' parts out. A buffer lent in place (comm.empty) is read there, not copied in.
+
+    An all_reduce whose every rank lent its buffer goes on in place after the first step instead
+    (_all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
+    """
     size, me, dtype = arena.size, arena.rank, buf.dtype
     raw = _raw(buf)
     total = raw.nbytes
-    ref = arena.lend(raw, total)
+    ref = arena.lend(raw, total, anywhere=root is None)
     piece = arena.slot_bytes // dtype.itemsize * dtype.itemsize
     sources: list[np.ndarray | None] = []
     wants_result = root is None or me == root
@@ -263,6 +267,9 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         arena.publish(step)
         if lo == 0:
             arena.agree(step)
+            if root is None and arena.all_lent(step):
+                _all_reduce_in_place(arena, raw, dtype, op, step)
+                return
             sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
         else:
             arena.wait_all(step)
@@ -273,6 +280,49 @@ def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
             arena.wait_all(result)  # reads it; with a user's op, until every part was reduced (may_fail)
         if wants_result:
             _copy_other_parts(arena, raw, dtype, lo, hi, result)
+
+
+def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, step: int) -> None:
+    """The rest of an all_reduce whose every rank lent its buffer (`step`, its first, agreed), in two more
+    steps whatever the size: reduce this rank's 1/p over every rank's input into its own buffer, a
+    scratch-sized piece at a time (the others' read in place through the mapping, or by single copies
+    into the scratch: tcoll.shm.single_copy), publish; read the other ranks' reduced parts straight from
+    their buffers into this one, publish, and wait until nobody reads its own. Operands in rank order.
+
+    No byte goes through a slot: every byte that crosses between ranks is read once where it lies.
+    """
+    size, me = arena.size, arena.rank
+    sources = [None if q == me else arena.peer_source(step, q) for q in range(size)]
+    a, b = _own_part(arena, raw.nbytes, dtype)
+    scratch = arena.scratch()
+    # p pieces of scratch: the p - 1 others' inputs and the result (reduce_into's first output overlaps no input)
+    piece = max(dtype.itemsize, scratch.nbytes // size // 4096 * 4096 // dtype.itemsize * dtype.itemsize)
+    for lo in range(a, b, piece):
+        hi = min(b, lo + piece)
+        parts = [raw[lo:hi] if q == me else _lent_part(arena, q, sources[q], lo, hi, scratch[q * piece:])
+                 for q in range(size)]
+        result = scratch[me * piece:][:hi - lo]
+        reduce_into(arena, op, [part.view(dtype) for part in parts], [result.view(dtype), raw[lo:hi].view(dtype)])
+    reduced = arena.skip()
+    arena.publish(reduced)
+    arena.wait_all(reduced)
+    count = raw.nbytes // dtype.itemsize
+    for q in range(size):
+        if q != me:
+            first, last = part_bounds(count, size, q)
+            arena.read_peer(q, sources[q], first * dtype.itemsize, raw[first * dtype.itemsize:last * dtype.itemsize])
+    done = arena.skip()
+    arena.publish(done)
+    arena.wait_all(done)  # the others may still read this rank's part
+
+
+def _lent_part(arena: Arena, rank: int, source: Any, lo: int, hi: int, scratch: np.ndarray) -> np.ndarray:
+    """Bytes [lo, hi) of what `rank` lent: in place if it lies in shared memory, else read into `scratch`."""
+    if isinstance(source, np.ndarray):
+        return source[lo:hi]
+    into = scratch[:hi - lo]
+    arena.read_peer(rank, source, lo, into)
+    return into
 
 
 # -- broadcast -----------------------------------------------------------------------------
