@@ -42,6 +42,13 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_size_or_auto(text: str | int) -> int:
+    """A byte count as parse_size, or -1 for "auto" (or "-1"): the setting's measured default."""
+    if isinstance(text, str) and text.strip().lower() in ("auto", "-1"):
+        return -1
+    return parse_size(text)
+
+
 def parse_bool(text: str | bool) -> bool:
     """Parse a switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case).
 
@@ -178,8 +185,8 @@ class Settings:
         "socket_ifname": ("TCOLL_SOCKET_IFNAME", str),
         "auth_key": ("TCOLL_AUTH_KEY", str),
         "coll_chunk": ("TCOLL_COLL_CHUNK", parse_size),
-        "shm_slot": ("TCOLL_SHM_SLOT", parse_size),
-        "shm_one_step": ("TCOLL_SHM_ONE_STEP", parse_size),
+        "shm_slot": ("TCOLL_SHM_SLOT", parse_size_or_auto),
+        "shm_one_step": ("TCOLL_SHM_ONE_STEP", parse_size_or_auto),
         "shm_kernel": ("TCOLL_SHM_KERNEL", str),
         "shm_single_copy": ("TCOLL_SHM_SINGLE_COPY", str),
         "algorithms": ("TCOLL_ALGO", str),

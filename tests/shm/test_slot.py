@@ -3,7 +3,10 @@ the choices every rank makes rest on a size they all compute alike."""
 
 from __future__ import annotations
 
+import pytest
+
 import tcoll
+from tcoll.env import Settings
 from tcoll.p2p.waiting import SpinPolicy
 from tcoll.shm.address import SLOT_BYTES, SLOT_BYTES_SHARED, agreed_slot
 
@@ -27,3 +30,12 @@ def _slots_seen(comm: tcoll.Communicator) -> list[int]:
 
 def test_choices_rest_on_a_slot_that_does_not_depend_on_counting_cores() -> None:
     assert tcoll.spawn(_slots_seen, 1, threads=True, timeout=30) == [[SLOT_BYTES, SLOT_BYTES]]
+
+
+def test_auto_in_the_environment_is_the_default_and_nonsense_is_named() -> None:
+    for text in ("auto", "AUTO", "-1"):
+        found = Settings.from_env({"TCOLL_SHM_SLOT": text, "TCOLL_SHM_ONE_STEP": text})
+        assert (found.shm_slot, found.shm_one_step) == (-1, -1)
+    assert Settings.from_env({"TCOLL_SHM_SLOT": "256K"}).shm_slot == 256 << 10
+    with pytest.raises(ValueError, match="TCOLL_SHM_SLOT='-2'"):
+        Settings.from_env({"TCOLL_SHM_SLOT": "-2"})
