@@ -121,6 +121,18 @@ def test_a_cancelled_receive_lets_the_next_one_have_the_message(pair: tuple[Engi
     assert second.cancel() is False  # done: nothing to withdraw
 
 
+def test_a_receive_posted_on_a_withdrawn_context_fails_at_once(pair: tuple[Engine, Engine]) -> None:
+    # Another thread revoked or closed the communicator between this thread's checks and its post.
+    a, b = pair
+    b.withdraw(CTX, TcollError("the communicator is revoked"))
+    late = b.irecv(np.zeros(4, dtype=np.uint8), 0, CTX, 6)
+    with pytest.raises(TcollError, match="revoked"):
+        late.wait(0.5)  # not its timeout: it failed when it was posted
+    other = b.irecv(np.zeros(4, dtype=np.uint8), 0, CTX + 1, 6)  # another context still works
+    a.isend(_bytes(4, 1), 1, CTX + 1, 6)
+    other.wait(5)
+
+
 def test_abandoned_tags_drop_late_messages(pair: tuple[Engine, Engine]) -> None:
     a, b = pair
     b.abandon(CTX, 100, 164)

@@ -36,9 +36,7 @@ from .work import RecvWork, SendWork, Work
 __all__ = ["Engine"]
 
 _POLL_NAP = 50e-6  # seconds a waiter with MPI channels sleeps between polls once its spin budget is spent
-# The longest a lean receive polls before the ordinary wait takes over: it holds the engine's lock (the GIL
-# released), so the rank's other threads wait for it meanwhile.
-_LEAN_SPIN_S = 20e-6
+_LEAN_SPIN_S = 20e-6  # a lean receive's most polling before the ordinary wait (it holds the engine's lock)
 
 
 class Engine:
@@ -172,7 +170,9 @@ class Engine:
         if self.timeline is not None:
             work.add_done_callback(self._traced)
         with self.lock:
-            if not self.matcher.post(work):
+            if ctx in self.matcher.closed:  # revoked or closed meanwhile (by another thread): nothing will come
+                work._fail(fresh(self.matcher.closed[ctx]))
+            elif not self.matcher.post(work):
                 self._check_peer(peer)  # what a lost peer sent before it went is still delivered
                 self.matcher.queue(work)
         return work
@@ -268,9 +268,8 @@ class Engine:
     def _check_peer(self, peer: int) -> None:
         if self.closed:
             raise TcollError("the communicator is closed")
-        lost = self._lost.get(peer)
-        if lost is not None:
-            raise PeerLostError(peer, str(lost).partition(": ")[2])
+        if peer in self._lost:
+            raise PeerLostError(peer, str(self._lost[peer]).partition(": ")[2])
 
     def _send_to_self(self, send: SendWork) -> None:
         """Deliver a message to this rank: copy it aside (eager), then match it."""
