@@ -442,7 +442,8 @@ static void release_views(Py_buffer *views, int count) {
 
 /* reduce_into(dtype, op, inputs, outputs): outputs[0][:] = inputs[0] op inputs[1] op ... in order, then
  * copied into outputs[1] if given, for buffers of one length (at most MAX_KERNEL_RANKS inputs and 2
- * outputs; outputs[0] overlaps no input, outputs[1] may be one), through reduce_parts: the pipelined steps
+ * outputs; outputs[0] overlaps no input but may be inputs[0] or inputs[1] exactly: the first combination reads
+ * both at each element before it writes it; outputs[1] may be any input), through reduce_parts: the pipelined steps
  * reduce a rank's part of a piece with it, reading its own input in place from its buffer and writing the
  * result into its slot and its buffer. False if this dtype does not take the op here. */
 static PyObject *module_reduce_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

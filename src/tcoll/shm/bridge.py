@@ -38,8 +38,10 @@ def reduce_into(arena: Any, op: Any, parts: list[np.ndarray], outs: list[np.ndar
     """outs[0] = parts[0] op parts[1] op ... in rank order, then copied into outs[1] if given.
 
     In C (kernel_module.reduce_into) where the arena has the kernel and it takes the dtype and op, else
-    NumPy's. outs[0] (a rank's part of its slot) must not overlap a part; outs[1] may be one of them (the
-    rank's own part of its buffer, read in place and overwritten with the result once all were read).
+    NumPy's. outs[0] must not overlap a part, unless it is the very array of parts[0] or parts[1] (the first
+    combination reads both before it writes each element; with more parts, later ones must not be it);
+    outs[1] may be any one of them (the rank's own part of its buffer, read in place and overwritten with
+    the result once all were read).
 
     Args:
         arena: the arena (its kernel, if any).

@@ -295,14 +295,14 @@ def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op,
     sources = [None if q == me else arena.peer_source(step, q) for q in range(size)]
     a, b = _own_part(arena, raw.nbytes, dtype)
     scratch = arena.scratch()
-    # p pieces of scratch: the p - 1 others' inputs and the result (reduce_into's first output overlaps no input)
+    # p pieces of scratch: the p - 1 others' inputs (read by single copies) and the partial result
     piece = max(dtype.itemsize, scratch.nbytes // size // 4096 * 4096 // dtype.itemsize * dtype.itemsize)
     for lo in range(a, b, piece):
         hi = min(b, lo + piece)
         parts = [raw[lo:hi] if q == me else _lent_part(arena, q, sources[q], lo, hi, scratch[q * piece:])
                  for q in range(size)]
-        result = scratch[me * piece:][:hi - lo]
-        reduce_into(arena, op, [part.view(dtype) for part in parts], [result.view(dtype), raw[lo:hi].view(dtype)])
+        _reduce_into_own(arena, op, [part.view(dtype) for part in parts], raw[lo:hi].view(dtype),
+                         scratch[me * piece:][:hi - lo].view(dtype))
     reduced = arena.skip()
     arena.publish(reduced)
     arena.wait_all(reduced)
@@ -314,6 +314,19 @@ def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op,
     done = arena.skip()
     arena.publish(done)
     arena.wait_all(done)  # the others may still read this rank's part
+
+
+def _reduce_into_own(arena: Arena, op: Op, parts: list[np.ndarray], own: np.ndarray, scratch: np.ndarray) -> None:
+    """own = parts[0] op ... op parts[-1], in rank order, where `own` is this rank's part (one of `parts`).
+
+    The last combination writes straight into `own`: an output may be the very array of either operand of
+    one combination (reduce_into), and by then this rank's part has been read. The others before it go into
+    `scratch` (cached), which overlaps nothing.
+    """
+    if len(parts) > 2:
+        reduce_into(arena, op, parts[:-1], [scratch])
+        parts = [scratch, parts[-1]]
+    reduce_into(arena, op, parts, [own])
 
 
 def _lent_part(arena: Arena, rank: int, source: Any, lo: int, hi: int, scratch: np.ndarray) -> np.ndarray:
