@@ -88,3 +88,31 @@ def test_the_root_learns_by_the_call_after_its_first_receiving_one() -> None:
 def test_the_root_learns_at_close_if_it_makes_no_other_call() -> None:
     seen = tcoll.spawn(root_then, 4, ("close",), timeout=100, transport="tcp")
     assert seen[0][0] == "ok" and seen[0][1].startswith("MismatchError") and "broadcast #1" in seen[0][1], seen
+
+
+class _QuietEngine:
+    """What an Agreement needs of an engine to take notices in (nothing is sent here)."""
+
+    rank, closed = 0, False
+
+    def watch(self, ctx: int, watch: Any) -> None:
+        pass
+
+
+def test_a_disagreement_told_after_a_loss_on_the_same_call_is_the_error_raised() -> None:
+    # Rank 0 broadcast (it only sent). Rank 2 tells it that rank 1 is lost; then rank 1's own notice says the
+    # ranks disagreed on that very call (rank 1 closed, and was seen lost, before its notice was read).
+    from tcoll.algos.stamps import NOTICE
+    from tcoll.comm import agreement as module
+    from tcoll.p2p.watch import BLOCK_BITS, NOTICE_TAG
+
+    told = module.Agreement(_QuietEngine(), [0, 1, 2], 7, lambda error: None, lambda: None)  # type: ignore[arg-type]
+    told.end(told.begin(1, "broadcast", 5, False), sent_only=True)
+    tag = (1 << BLOCK_BITS) + NOTICE_TAG
+    told._alarm("notice", 2, tag, 9 | NOTICE, module._LOST + module._CAUSE.pack(1) + b"1:connection closed")
+    assert isinstance(told.poison, tcoll.PeerLostError)
+    said = b"rank 0 called broadcast(root=0) where rank 1 called all_reduce(op=sum)"
+    told._alarm("notice", 1, tag, 9 | NOTICE, module._MISMATCH + module._CAUSE.pack(1) + said)
+    assert isinstance(told.poison, tcoll.MismatchError) and "all_reduce" in str(told.poison), told.poison
+    told._alarm("notice", 2, tag, 9 | NOTICE, module._LOST + module._CAUSE.pack(1) + b"1:connection closed")
+    assert isinstance(told.poison, tcoll.MismatchError)  # a later loss does not replace it

@@ -269,7 +269,7 @@ class Agreement:
                     engine.probe_peers([peer])
                 except TcollError:
                     pass
-            engine.block_unless(lambda: self.poison is not None, 0.02)
+            engine.block_unless(lambda: not _unsettled(self.poison), 0.02)
 
     # -- notices -----------------------------------------------------------------------
 
@@ -379,11 +379,18 @@ class Agreement:
             self._stop(running, error)
             return
         cause = getattr(error, "tcoll_cause", block)
-        if cause in self._causes or block in self.watch.failed:
+        if cause in self._causes or (block in self.watch.failed and not (
+                isinstance(error, MismatchError) and self._loss_held())):
             return  # this rank raised that trouble already, or failed that call itself
-        self.watch.failed.append(block)  # a call that finished here turns out to have disagreed:
+        if block not in self.watch.failed:
+            self.watch.failed.append(block)  # a call that finished here turns out to have disagreed:
         error.tcoll_cause = cause  # type: ignore[attr-defined]
         self.poison = _cause_first(self.poison, error)  # the next call raises it
+
+    def _loss_held(self) -> bool:
+        """Whether the trouble held to raise is a rank's loss, which a disagreement told later may explain (the
+        rank that found it closed, and was seen lost, before its notice was read here): that one is taken in."""
+        return isinstance(self.poison, PeerLostError)
 
     def _explain(self, failed: Running, peer: int, theirs: int, payload: bytes) -> None:
         """A notice about a call that already failed here (its peer's connection closed first, say): it says why.
@@ -402,8 +409,8 @@ class Agreement:
             (cause,) = _CAUSE.unpack_from(payload, 1)
             if cause != block:  # told of an earlier call's trouble: its late messages are expected now
                 self._accounted(cause)
-            if block in self.watch.failed and running is None:
-                return None  # this rank failed the call too: nothing more to learn
+            if block in self.watch.failed and running is None and not (payload[:1] == _MISMATCH and self._loss_held()):
+                return None  # this rank failed the call too, or holds its error: nothing more to learn
             text = payload[1 + _CAUSE.size:].decode(errors="replace")
             error = self._told_error(payload[:1], where, peer, text, mine, theirs)
             error.tcoll_cause = cause  # type: ignore[attr-defined]

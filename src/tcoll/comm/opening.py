@@ -63,7 +63,7 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
         one_step = one_step_limit(dispatcher.size, engine.spin.oversubscribed) if one_step < 0 else one_step
         try:
             segment = create_segment(dispatcher.run_id, engine.rank, dispatcher.size, slot, engine.host_shares_pids)
-            address = encode_address(slot, one_step, segment)
+            address = encode_address(slot, one_step, segment, engine.settings.shm_single_copy == "on")
         except TransportError as exc:
             failure = exc  # the others learn it from the empty address
     try:
@@ -75,12 +75,13 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
         found = decode_address(address)
         if found is None:
             raise TransportError("rank 0 could not create the shared-memory collective arena")
-        slot, one_step, path, name = found
+        slot, one_step, single_copy, path, name = found
         if segment is None:
             segment = open_segment(path, name)
         arena = Arena(engine, dispatcher.world, dispatcher.rank, segment, slot, heap_of(engine, dispatcher.run_id),
                       one_step)
-        arena.write_identity(engine.settings.shm_single_copy == "on")
+        if single_copy:  # rank 0 tries them (TCOLL_SHM_SINGLE_COPY=on there): this rank's setting has its say
+            arena.write_identity(engine.settings.shm_single_copy == "on" and engine.host_shares_pids)
         _arena_barrier(dispatcher, team, opening, running)
     except BaseException:
         if arena is not None:
@@ -89,7 +90,8 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
     finally:
         if dispatcher.rank == 0 and segment is not None:
             segment.unlink()
-    _decide_single_copy(dispatcher, team, opening, running, arena)
+    if single_copy:  # (every rank alike: rank 0's word)
+        _decide_single_copy(dispatcher, team, opening, running, arena)
     return arena
 
 

@@ -16,7 +16,8 @@ from .arena import arena_bytes
 
 __all__ = ["ADDRESS_BYTES", "agreed_slot", "create_segment", "open_segment", "encode_address", "decode_address"]
 
-ADDRESS_BYTES = 256  # an arena's address as rank 0 broadcasts it: "<slot>:<one-step limit>:<path>:<memfd name>"
+# An arena's address as rank 0 broadcasts it: "<slot>:<one-step limit>:<single copies 0/1>:<path>:<memfd name>".
+ADDRESS_BYTES = 256
 _HINT = "a smaller TCOLL_SHM_SLOT or a larger /dev/shm may help"
 
 
@@ -61,22 +62,23 @@ def open_segment(path: str, name: str | None) -> Segment:
     return Segment.open(path, name)
 
 
-def encode_address(slot: int, one_step: int, segment: Segment) -> np.ndarray:
-    """The ADDRESS_BYTES rank 0 broadcasts: slot size, one-step limit, path and memfd name of `segment` (all
-    zero: it failed). Every rank takes rank 0's slot and limit, so the ranks' settings cannot disagree."""
+def encode_address(slot: int, one_step: int, segment: Segment, single_copy: bool = False) -> np.ndarray:
+    """The ADDRESS_BYTES rank 0 broadcasts: slot size, one-step limit, whether to try single copies, path and
+    memfd name of `segment` (all zero: it failed). Every rank takes rank 0's slot, limit and try, so the
+    ranks' settings cannot disagree on them."""
     out = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
-    encoded = f"{slot}:{one_step}:{segment.path}:{segment.name or ''}".encode()
+    encoded = f"{slot}:{one_step}:{int(single_copy)}:{segment.path}:{segment.name or ''}".encode()
     if len(encoded) > ADDRESS_BYTES:
         raise TransportError(f"the arena's address {encoded!r} exceeds {ADDRESS_BYTES} bytes")
     out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
     return out
 
 
-def decode_address(address: np.ndarray) -> tuple[int, int, str, str | None] | None:
-    """(slot, one-step limit, path, memfd name or None) from what encode_address made, or None if rank 0 could
-    not create it."""
+def decode_address(address: np.ndarray) -> tuple[int, int, bool, str, str | None] | None:
+    """(slot, one-step limit, single copies, path, memfd name or None) from what encode_address made, or None if
+    rank 0 could not create it."""
     text = bytes(address).rstrip(b"\0").decode()
     if not text:
         return None
-    slot, one_step, path, name = text.split(":")  # names and paths are made of run ids, which hold no ':'
-    return int(slot), int(one_step), path, name or None
+    slot, one_step, single, path, name = text.split(":")  # names and paths are made of run ids: no ':'
+    return int(slot), int(one_step), single == "1", path, name or None

@@ -333,9 +333,10 @@ class Arena:
             self._desc[self._desc_at(1, q) + _VERDICT_WORD] == _CAN for q in range(self.size))
 
     def scratch(self) -> np.ndarray:
-        """A private buffer of a slot's size (made at first use) for the others' pieces read by single copies."""
+        """A private buffer (made at first use) of p pieces of a slot's share, at least 64 KiB each: the others'
+        pieces read by single copies and a partial result, in an in-place all_reduce."""
         if self._scratch is None:
-            self._scratch = np.empty(self.slot_bytes, dtype=np.uint8)
+            self._scratch = np.empty(self.size * max(64 << 10, self.slot_bytes // self.size), dtype=np.uint8)
         return self._scratch
 
     def all_lent(self, step: int) -> bool:

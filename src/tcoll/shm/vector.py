@@ -296,7 +296,8 @@ def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op,
     a, b = _own_part(arena, raw.nbytes, dtype)
     scratch = arena.scratch()
     # p pieces of scratch: the p - 1 others' inputs (read by single copies) and the partial result
-    piece = max(dtype.itemsize, scratch.nbytes // size // 4096 * 4096 // dtype.itemsize * dtype.itemsize)
+    piece = scratch.nbytes // size // 4096 * 4096 // dtype.itemsize * dtype.itemsize  # at least 64 KiB (a tiny
+    # slot would make a piece of a few elements, and a Python loop of them)
     for lo in range(a, b, piece):
         hi = min(b, lo + piece)
         parts = [raw[lo:hi] if q == me else _lent_part(arena, q, sources[q], lo, hi, scratch[q * piece:])
