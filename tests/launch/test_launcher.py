@@ -509,6 +509,31 @@ def test_a_tcoll_traceback_folds_into_the_users_call_and_the_error() -> None:
                              "called all_reduce(float32)\n")
 
 
+class _Writes:
+    """A Sink that records each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes, to_stderr: bool) -> None:
+        self.writes.append(data)
+
+
+def test_a_folded_traceback_reaches_the_terminal_in_one_write() -> None:
+    # Several ranks' forwarders share the terminal: the user's call and its error must never be split by
+    # another rank's line.
+    from tcoll.launch.output import LineForwarder
+
+    read, write = os.pipe()
+    sink = _Writes()
+    forwarder = LineForwarder(os.fdopen(read, "rb"), sink, True, b"[2] ")  # type: ignore[arg-type]
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(b"hello\n" + _CHAIN.encode())
+    assert forwarder.join(10)
+    assert sink.writes == [b"[2] hello\n", b"[2]   at /home/me/job.py, line 6: comm.all_reduce(x)\n[2] " +
+                           _CHAIN.splitlines()[-1].encode() + b"\n"]
+
+
 def test_other_output_passes_unchanged() -> None:
     own = ('Traceback (most recent call last):\n  File "/home/me/job.py", line 3, in <module>\n'
            '    raise ValueError("mine")\nValueError: mine\n')

@@ -183,25 +183,26 @@ class LineForwarder:
             for line in iter(self._pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"  # the rank's last line had no newline
-                for out in self._tracebacks.feed(line):
-                    self._write(out)
+                self._write(self._tracebacks.feed(line))
         except (OSError, ValueError):
             pass  # the pipe was closed under us during cleanup
         finally:
-            for out in self._tracebacks.flush():
-                self._write(out)
+            self._write(self._tracebacks.flush())
             try:
                 self._pipe.close()
             except OSError:
                 pass
 
-    def _write(self, line: bytes) -> None:
+    def _write(self, lines: list[bytes]) -> None:
+        """Write `lines` in one go: another rank's line never comes between them (a folded traceback's two)."""
+        if not lines:
+            return
         # A line that already names its rank (scripts written for mp.spawn print
         # "[rank] ...") keeps its own prefix: "[0] [0] data" says nothing more.
-        prefix = b"" if line.startswith(self._prefix) else self._prefix
-        self._sink.write(prefix + line, self._to_stderr)
+        self._sink.write(b"".join(line if line.startswith(self._prefix) else self._prefix + line for line in lines),
+                         self._to_stderr)
         if self._keep:
-            self._tail.append(line.decode(errors="replace").rstrip("\n"))
+            self._tail.extend(line.decode(errors="replace").rstrip("\n") for line in lines)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until the pipe reached end of file.
