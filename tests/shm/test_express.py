@@ -112,18 +112,18 @@ def test_a_late_peer_hands_the_call_over_to_python(count: int) -> None:
 def interrupted(comm: tcoll.Communicator) -> list[str]:
     """Rank 0's express call hands over (rank 1 is late) and an exception comes before Python takes the call
     over; rank 0 goes on calling. What each call said: never a wrong result, and every rank raises."""
-    from tcoll.comm import reductions
+    from tcoll.comm import plans
 
     comm.timeout = 20.0
     if comm.rank == 0:
-        again = reductions.lean_again
+        again = plans.lean_again
 
         def interrupt_once(dispatcher: Any, entry: Any, x: Any, handed_over: bool = False) -> Any:
             if handed_over and "KeyboardInterrupt" not in said:
                 raise KeyboardInterrupt  # where a signal during the kernel's spin would land
             return again(dispatcher, entry, x, handed_over)
 
-        reductions.lean_again = interrupt_once
+        plans.lean_again = interrupt_once
     x, said = np.zeros(4), []
     for call in range(12):
         if comm.rank == 1 and call == 8:
@@ -280,3 +280,75 @@ def test_a_reduce_takes_read_only_arrays_on_the_other_ranks(count: int) -> None:
     results = tcoll.spawn(read_only_elsewhere, 3, (count,), timeout=50, transport="shm", shm_slot=SLOT,
                           shm_one_step=1024)
     assert results == [[6.0, 6.0], [2.0, 2.0], [3.0, 3.0]], results
+
+
+def repeated_broadcasts(comm: tcoll.Communicator, count: int, calls: int) -> dict[str, Any]:
+    """Broadcasts from every root in turn on the same arrays, refilled each call, against root's data; how many
+    ran whole in C, and whether the numbering is the Python path's."""
+    x = np.zeros(count, dtype=np.float64)
+    b = np.zeros(count, dtype=ml_dtypes.bfloat16)
+    before, wrong = comm.core.dispatch.sequence, 0
+    for call in range(calls):
+        root = call % comm.size
+        sent = ((np.arange(count) * (comm.rank + 3) + call) % 251).astype(np.float64)
+        x[...] = sent
+        b[...] = sent
+        assert comm.broadcast(x, root) is x
+        comm.broadcast(b, root)
+        want = ((np.arange(count) * (root + 3) + call) % 251).astype(np.float64)
+        wrong += not np.array_equal(x, want) or not np.array_equal(b, want.astype(ml_dtypes.bfloat16))
+    completed = sum(getattr(_express(comm, arr, ("broadcast", root, "auto")), "completed", 0)
+                    for arr in (x, b) for root in range(comm.size))
+    return {"wrong": wrong, "numbered": comm.core.dispatch.sequence - before == 2 * calls, "completed": completed}
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size,count", [(2, 5), (2, 3000), (3, 5), (5, 3000)])
+def test_repeated_broadcasts_match_roots_data(size: int, count: int) -> None:
+    results = tcoll.spawn(repeated_broadcasts, size, (count, 30), timeout=100, transport="shm")
+    assert all(r["wrong"] == 0 and r["numbered"] for r in results), results
+    if size == 2:  # (more ranks than cores: a call runs whole only when every rank comes within the spin)
+        assert all(r["completed"] > 0 for r in results), results
+
+
+def broadcast_then_another(comm: tcoll.Communicator, how: str) -> str:
+    """Express broadcasts; at the 8th call rank 1 says another root, or another size; what each rank raised."""
+    x = np.ones(5, dtype=np.float32)
+    comm.timeout = 20.0
+    for call in range(12):
+        try:
+            if comm.rank == 1 and call == 8:
+                comm.broadcast(x, 1) if how == "root" else comm.broadcast(np.ones(6, dtype=np.float32), 0)
+            else:
+                comm.broadcast(x, 0)
+        except tcoll.TcollError as exc:
+            return f"{type(exc).__name__} at call {call}: {exc}"
+    return "no error"
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["root", "size"])
+def test_a_broadcast_that_differs_on_one_rank_is_an_error_on_every_rank(how: str) -> None:
+    said = tcoll.spawn(broadcast_then_another, 3, (how,), timeout=50, transport="shm")
+    assert all(s.startswith("MismatchError at call 8") for s in said), said
+
+
+def late_broadcasts(comm: tcoll.Communicator) -> tuple[bool, int]:
+    """Rank 2 is late at some calls (its peers' kernels give up and Python goes on); roots' data every time."""
+    x, right = np.zeros(7), True
+    for call in range(16):
+        if comm.rank == 2 and call % 5 == 4:
+            _busy(0.01)
+        x[...] = comm.rank * 10 + call
+        comm.broadcast(x, call % 3)
+        right = right and bool((x == (call % 3) * 10 + call).all())
+    return right, comm.core.dispatch.sequence
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_a_late_peer_hands_a_broadcast_over_to_python() -> None:
+    results = tcoll.spawn(late_broadcasts, 3, timeout=50, transport="shm")
+    assert results == [(True, 16)] * 3, results

@@ -17,7 +17,7 @@ from ..errors import MismatchError
 from . import describe
 from .calls import Call, Program, numbered
 from .checks import apart, check_peer, output, stacked_chunks
-from .plans import lean_entry, lean_run
+from .plans import MISS, again, lean_run
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["broadcast", "all_gather", "gather", "scatter", "all_to_all"]
 
 
-@numbered("broadcast")
 def broadcast(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Copy `x` of `root` into `x` of every rank.
 
@@ -42,12 +41,18 @@ def broadcast(comm: Communicator, x: Any, root: int = 0, *, algorithm: str = "au
         ValueError: root out of range; x not contiguous, or read-only off the root.
         TypeError: x is not a buffer.
     """
+    if not async_op:  # the same buffer and arguments as a recent call: checked then (tcoll.comm.plans)
+        result = again(comm, (id(x), "broadcast", root, algorithm), x)
+        if result is not MISS:
+            return result
+    return _broadcast(comm, x, root, algorithm=algorithm, async_op=async_op)
+
+
+@numbered("broadcast")
+def _broadcast(comm: Communicator, x: Any, root: int, *, algorithm: str, async_op: bool) -> Any:
+    """broadcast, checked (see broadcast)."""
     key = (id(x), "broadcast", root, algorithm)
     dispatcher = comm.core.dispatch
-    if not async_op:
-        prepared = lean_entry(dispatcher, key, x)
-        if prepared is not None:  # the same buffer and arguments as a recent call: checked then
-            return dispatcher.run_prepared(prepared)
     check_peer(root, comm.size, "root")
     flat = as_array(x, writable=comm.rank != root, what="broadcast buffer").reshape(-1)
     call = Call("broadcast", (flat, root), flat.nbytes, algorithm=algorithm, result=x, dtype=flat.dtype,

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from .communicator import Communicator
     from .dispatch import Dispatcher
 
-__all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "MISS", "lean_entry", "lean_run", "lean_again"]
+__all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "MISS", "again", "lean_run", "lean_again"]
 
 LEAN_BYTES = 1 << 20  # buffers up to this size take the lean path: above it the call's bookkeeping is noise
 LEAN_ENTRIES = 32
@@ -215,17 +215,6 @@ class _Lean:
         self.run_express: Callable[[Any], Any] | None = None
 
 
-def lean_entry(dispatcher: Dispatcher, key: Any, x: Any) -> Prepared | None:
-    """The prepared call remembered for `key` if `x` is still the buffer it was checked for, as it was."""
-    try:
-        entry = dispatcher.lean.get(key)
-    except TypeError:  # an unhashable argument: the checks will say what is wrong with it
-        return None
-    if entry is None or not _fits(dispatcher, entry, x):
-        return None
-    return entry.prepared
-
-
 def _fits(dispatcher: Dispatcher, entry: _Lean, x: Any) -> bool:
     """Whether `x` is still the buffer `entry` was checked for, as it was (and no plan is being made)."""
     if dispatcher.capturing or entry.x is not x or x.shape != entry.shape or x.dtype != entry.dtype:
@@ -248,6 +237,25 @@ def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call) -> Any:
     result = dispatcher.run_prepared(prepared)
     _renew_express(dispatcher, entry, prepared, x)
     return result
+
+
+def again(comm: Communicator, key: Any, x: Any) -> Any:
+    """A remembered blocking call run again: whole in C (its express call) or in Python; MISS if none fits."""
+    dispatcher = comm.core.dispatch
+    try:
+        entry = dispatcher.lean.get(key)
+    except TypeError:  # an unhashable argument: the checks will say what is wrong with it
+        return MISS
+    if entry is None:
+        return MISS
+    run = entry.run_express
+    if run is not None:
+        result = run(x)
+        if result is HANDED_OVER:  # it began the call: Python goes on with it
+            return lean_again(dispatcher, entry, x, True)
+        if result is not None:
+            return result
+    return lean_again(dispatcher, entry, x)
 
 
 def lean_again(dispatcher: Dispatcher, entry: _Lean, x: Any, handed_over: bool = False) -> Any:

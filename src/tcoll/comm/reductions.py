@@ -18,7 +18,7 @@ import numpy as np
 from ..ops import Op
 from .calls import Call, numbered
 from .checks import apart, check_peer, output, reduction_input, row_counts
-from .plans import HANDED_OVER, MISS, lean_again, lean_run
+from .plans import MISS, again, lean_run
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -45,29 +45,10 @@ def all_reduce(comm: Communicator, x: Any, op: str | Op = "sum", *, algorithm: s
         ValueError: x is not contiguous or is read-only; unknown algorithm.
     """
     if not async_op:  # the same buffer and arguments as a recent call: checked then (tcoll.comm.plans)
-        result = _again(comm, (id(x), "all_reduce", op, algorithm), x)
+        result = again(comm, (id(x), "all_reduce", op, algorithm), x)
         if result is not MISS:
             return result
     return _all_reduce(comm, x, op, algorithm=algorithm, async_op=async_op)
-
-
-def _again(comm: Communicator, key: Any, x: Any) -> Any:
-    """A remembered blocking call run again: whole in C (its express call) or in Python; MISS if none fits."""
-    dispatcher = comm.core.dispatch
-    try:
-        entry = dispatcher.lean.get(key)
-    except TypeError:  # an unhashable argument: the checks will say what is wrong with it
-        return MISS
-    if entry is None:
-        return MISS
-    run = entry.run_express
-    if run is not None:
-        result = run(x)
-        if result is HANDED_OVER:  # it began the call: Python goes on with it
-            return lean_again(dispatcher, entry, x, True)
-        if result is not None:
-            return result
-    return lean_again(dispatcher, entry, x)
 
 
 @numbered("all_reduce")
@@ -98,7 +79,7 @@ def reduce(comm: Communicator, x: Any, root: int = 0, op: str | Op = "sum", *, a
         TypeError, ValueError: as all_reduce; root out of range.
     """
     if not async_op:
-        result = _again(comm, (id(x), "reduce", root, op, algorithm), x)
+        result = again(comm, (id(x), "reduce", root, op, algorithm), x)
         if result is not MISS:
             return result
     return _reduce(comm, x, root, op, algorithm=algorithm, async_op=async_op)

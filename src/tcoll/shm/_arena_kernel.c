@@ -385,6 +385,51 @@ static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_
     return PyLong_FromLong(state);
 }
 
+/* The one step of a broadcast that fits a slot: root copies its buffer into its slot; every rank describes the
+ * call and publishes; once all have, and every descriptor names this call, the others copy root's slot out.
+ * How far it got: NOT_STARTED, PUBLISHED (the check and the copy are Python's) or DONE. */
+static long step_broadcast(Kernel *self, const RunArgs *a, int root) {
+    Py_ssize_t len = a->view.len;
+    long state = claim_and_publish(self, a, self->rank == root ? len : 0, len);
+    if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step))
+        return state;
+    if (self->rank != root) tc_copy(a->view.buf, slot_of(self, root, a->step), (size_t)len);
+    return DONE;
+}
+
+/* run_broadcast(buf, root, step, stamp, sequence, spin_ns, yield): step_broadcast on `buf` (writable off root). */
+static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "run_broadcast(buf, root, step, stamp, sequence, spin_ns, yield)");
+        return NULL;
+    }
+    RunArgs a;
+    memset(&a, 0, sizeof(a));
+    int root = (int)PyLong_AsLong(args[1]);
+    a.step = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred() || stamp_words(args[3], &a.stamp_low, &a.stamp_high) < 0) return NULL;
+    a.sequence = PyLong_AsUnsignedLongLong(args[4]);
+    a.spin_ns = PyLong_AsUnsignedLongLong(args[5]);
+    a.yield = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (self->held < 0 || root < 0 || root >= self->size) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, or the root is not a rank");
+        return NULL;
+    }
+    a.want = self->rank != root;
+    if (PyObject_GetBuffer(args[0], &a.view, a.want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
+    if (a.view.len > self->slot_bytes) {
+        PyBuffer_Release(&a.view);
+        PyErr_SetString(PyExc_ValueError, "arena kernel: the buffer does not fit a slot");
+        return NULL;
+    }
+    self->busy++;
+    long state = step_broadcast(self, &a, root);
+    step_over(self);
+    PyBuffer_Release(&a.view);
+    return PyLong_FromLong(state);
+}
+
 /* retire(): the arena closes; express calls made for it step on it no more, and the mapping and doorbells
  * are let go now, or when the last step under way (another thread's) ends: an Express or a Plan that
  * outlives the communicator keeps this object, not the memory. */
@@ -528,6 +573,8 @@ static PyMethodDef module_methods[] = {
 
 static PyMethodDef Kernel_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Kernel_run, METH_FASTCALL, "One small reduction step (see the module)."},
+    {"run_broadcast", (PyCFunction)(void (*)(void))Kernel_run_broadcast, METH_FASTCALL,
+     "A broadcast's one step (see step_broadcast)."},
     {"run_split", (PyCFunction)(void (*)(void))Kernel_run_split, METH_FASTCALL,
      "A call that fits a slot, in three steps (see the source)."},
     {"retire", (PyCFunction)Kernel_retire, METH_NOARGS, "The arena closes: express calls no longer use it."},

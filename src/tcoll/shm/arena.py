@@ -50,12 +50,11 @@ _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress 
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
 _WORD = (1 << 64) - 1
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
-# The steps a run_split took, by the state it returned.
 # Words of a rank's descriptors that no call writes: set 0's hold its pid and the address of that word in its
 # own memory, set 1's its verdict on single copies (0: not yet, 1: it reads every peer, 2: it cannot).
-_PID_WORD, _ADDRESS_WORD, _VERDICT_WORD = 6, 7, 6
-_CAN, _CANNOT = 1, 2
+_PID_WORD, _ADDRESS_WORD, _VERDICT_WORD, _CAN, _CANNOT = 6, 7, 6, 1, 2  # (the last two: verdicts)
 _SINGLE_COPY_FLAG = 1 << 63  # a descriptor's heap-id word with this bit: the buffer is read by single copies
+# The steps a run_split took, by the state it returned.
 _SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
                       if kernel_module is not None else {})
 
@@ -243,14 +242,7 @@ class Arena:
             kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the reduction are
             left to the caller; NOT_STARTED: nothing happened (the caller runs the step in Python).
         """
-        step = self.step
-        # An exception landing between the kernel's return and the next line leaves self.step behind the
-        # counters; the call then fails, and a failed call makes the dispatcher open a fresh arena.
-        state = self.kernel.run(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
-                                self.kernel_yields, want) if not self.pending else self._take_pending()
-        if state:
-            self.step, self.first = step + 1, step
-        return state
+        return self._kernel_step("run", (buf, dtype, op), (want,))
 
     def run_split(self, buf: np.ndarray, dtype: int, op: int, want: bool) -> int:
         """A call that fits a slot, in the kernel's three steps (tcoll.shm.vector._reduce_split).
@@ -260,11 +252,28 @@ class Arena:
             not yet copied out; PUBLISHED: only the first step is (`agree` and the rest are the caller's);
             NOT_STARTED.
         """
-        step = self.step  # (an exception right after the kernel's return: as in run_small)
-        state = self.kernel.run_split(buf, dtype, op, step, self.stamp, self.sequence, self.kernel_spin_ns,
-                                      self.kernel_yields, want) if not self.pending else self._take_pending()
+        return self._kernel_step("run_split", (buf, dtype, op), (want,), _SPLIT_STEPS_TAKEN)
+
+    def run_broadcast(self, buf: np.ndarray, root: int) -> int:
+        """A broadcast that fits a slot, in the kernel's one step (tcoll.shm.vector.broadcast).
+
+        Returns:
+            kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the copy out of root's slot
+            are the caller's; NOT_STARTED.
+        """
+        return self._kernel_step("run_broadcast", (buf, root), ())
+
+    def _kernel_step(self, method: str, head: tuple[Any, ...], tail: tuple[Any, ...],
+                     taken: dict[int, int] | None = None) -> int:
+        """Run the kernel's `method` (head, the step and the call, tail) from this step, or take the state an
+        express call of this call left; move the step on by the steps taken (`taken` by state; else one)."""
+        step = self.step
+        # An exception landing between the kernel's return and the next line leaves self.step behind the
+        # counters; the call then fails, and a failed call makes the dispatcher open a fresh arena.
+        state = getattr(self.kernel, method)(*head, step, self.stamp, self.sequence, self.kernel_spin_ns,
+                                             self.kernel_yields, *tail) if not self.pending else self._take_pending()
         if state:
-            self.step, self.first = step + _SPLIT_STEPS_TAKEN[state], step
+            self.step, self.first = step + (taken[state] if taken else 1), step
         return state
 
     def _take_pending(self) -> int:
@@ -322,10 +331,10 @@ class Arena:
 
     def probe_single_copy(self) -> None:
         """Read every other rank's pid word through its memory (single_copy.reads_back); write the verdict."""
-        ids = [(int(self._desc[self._desc_at(0, q) + _PID_WORD]), int(self._desc[self._desc_at(0, q) + _ADDRESS_WORD]))
-               for q in range(self.size)]
-        self._desc[self._desc_at(1, self.rank) + _VERDICT_WORD] = _CAN if single_copy.reads_back(ids, self.rank) \
-            else _CANNOT
+        ids = [(int(self._desc[at + _PID_WORD]), int(self._desc[at + _ADDRESS_WORD]))
+               for at in (self._desc_at(0, q) for q in range(self.size))]
+        verdict = _CAN if single_copy.reads_back(ids, self.rank) else _CANNOT
+        self._desc[self._desc_at(1, self.rank) + _VERDICT_WORD] = verdict
 
     def decide_single_copy(self) -> None:
         """Use single copies if every rank's verdict is yes (every rank reads the same verdicts: the same choice)."""
@@ -333,8 +342,7 @@ class Arena:
             self._desc[self._desc_at(1, q) + _VERDICT_WORD] == _CAN for q in range(self.size))
 
     def scratch(self) -> np.ndarray:
-        """A private buffer (made at first use) of p pieces of a slot's share, at least 64 KiB each: the others'
-        pieces read by single copies and a partial result, in an in-place all_reduce."""
+        """A private buffer (made at first use): p pieces of a slot's share, at least 64 KiB (_all_reduce_in_place)."""
         if self._scratch is None:
             self._scratch = np.empty(self.size * max(64 << 10, self.slot_bytes // self.size), dtype=np.uint8)
         return self._scratch

@@ -1,6 +1,6 @@
-/* The express call: an ordinary blocking reduction repeated on the same buffer, whole, in one C call.
+/* The express call: an ordinary blocking reduction or broadcast repeated on the same buffer, whole, in one C call.
  *
- * Included by _arena_kernel.c after the steps it runs (step_small, step_split). tcoll.shm.express says
+ * Included by _arena_kernel.c after the steps it runs (step_small, step_split, step_broadcast). tcoll.shm.express says
  * when a call may take it and builds it; this file is what runs.
  *
  * A repeated `comm.all_reduce(x)` on a small array spends about two microseconds in Python around the
@@ -110,6 +110,7 @@ typedef struct {
     void *buf;
     Py_ssize_t len;
     int dtype_code, op, want, split, yield;
+    int root;             /* a broadcast's root (its one step: step_broadcast); -1: a reduction */
     uint64_t stamp_low, stamp_high, spin_ns, generation;
     unsigned long long completed;  /* calls it ran whole (tests, and whoever asks why a call was fast) */
 } Express;
@@ -162,16 +163,20 @@ static void Express_dealloc(Express *self) {
 }
 
 /* Express(gate, kernel, x, result, arena, dispatcher, watch, prepared, seqs, calls, label, stamp,
- *         dtype_code, op, want, split, spin_ns, yield) */
+ *         dtype_code, op, want, split, spin_ns, yield, root): root -1 for a reduction, else a broadcast's */
 static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     (void)kwds;
     PyObject *gate, *kernel, *x, *result, *arena, *dispatcher, *watch, *prepared, *seqs, *calls, *label, *stamp;
-    int dtype_code, op, want, split, yield;
+    int dtype_code, op, want, split, yield, root;
     unsigned long long spin_ns;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKp", &GateType, &gate, &KernelType, &kernel, &x, &result,
+    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKpi", &GateType, &gate, &KernelType, &kernel, &x, &result,
                           &arena, &dispatcher, &watch, &prepared, &PyList_Type, &seqs, &PyList_Type, &calls, &label,
-                          &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield))
+                          &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield, &root))
         return -1;
+    if (root < -1 || root >= ((Kernel *)kernel)->size || (root >= 0 && split)) {
+        PyErr_SetString(PyExc_ValueError, "Express: the root is not a rank (or a broadcast was given three steps)");
+        return -1;
+    }
     if (((Gate *)gate)->early == NULL) {
         PyErr_SetString(PyExc_ValueError, "Express: the gate was not initialised");
         return -1;
@@ -214,6 +219,7 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     self->op = op;
     self->want = want;
     self->split = split;
+    self->root = root;
     self->yield = yield;
     self->spin_ns = spin_ns;
     self->stamp_low = low;
@@ -316,7 +322,8 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     Kernel *kernel = self->kernel;
     Py_INCREF(kernel);  /* (a thread that closes the communicator meanwhile retires it: it waits for this step) */
     kernel->busy++;
-    long state = self->split ? step_split(kernel, &a) : step_small(kernel, &a);
+    long state = self->root >= 0 ? step_broadcast(kernel, &a, self->root)
+                 : self->split ? step_split(kernel, &a) : step_small(kernel, &a);
     step_over(kernel);
     Py_DECREF(kernel);
     PyBuffer_Release(&a.view);

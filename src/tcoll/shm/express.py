@@ -1,4 +1,4 @@
-"""The express path: a repeated blocking all_reduce or reduce on the same array, whole, in one C call.
+"""The express path: a repeated blocking all_reduce, reduce or broadcast on the same array, whole, in one C call.
 
 An ordinary blocking call on a small array is its arena step (half a
 microsecond on two ranks) inside about two microseconds of Python: checks,
@@ -33,14 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from .kernel_abi import kernel_module
+from .kernel_abi import KERNEL_DTYPES, kernel_module
 
 __all__ = ["HANDED_OVER", "new_gate", "build", "forget_all"]
 
 # What an express call returns when it began the call and the Python path must go on with it.
 HANDED_OVER = kernel_module.HANDED_OVER if kernel_module is not None else object()
 
-_COLLECTIVES = ("all_reduce", "reduce")
+_COLLECTIVES = ("all_reduce", "reduce", "broadcast")
 
 
 class _ShutGate:
@@ -77,9 +77,10 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     """The express call of `prepared` (a tcoll.comm.calls.Prepared: a blocking call on array `x` that just ran
     well in Python), or None.
 
-    Only an all_reduce or reduce that runs on the arena's one-step or split kernel takes it: a
+    Only an all_reduce or reduce that runs on the arena's one-step or split kernel takes it (a
     NumPy array that is the call's own buffer, a built-in op the kernel reduces in the array's
-    dtype, a result that needs no finishing (avg divides: Python does), at most one slot.
+    dtype, a result that needs no finishing: avg divides, Python does; at most one slot), or a
+    broadcast of such an array in the kernel's one step (under 64 KiB: larger ones lend root's buffer).
 
     Returns:
         A kernel_module.Express: `run(x)` gives the call's result, or None when the Python path must run
@@ -87,6 +88,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     """
     # (imported here: importing tcoll.shm.vector registers its algorithms, which tcoll.algos does in its order)
     from .bridge import kernel_codes
+    from .arena import ZERO_COPY_BYTES
     from .vector import may_fail, one_step
 
     call, info = prepared.call, prepared.info
@@ -95,16 +97,24 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
             or info.name != "shm" or call.collective not in _COLLECTIVES or prepared.async_op or prepared.finishes
             or call.copies or call.staged is not None or type(x) is not np.ndarray):
         return None
-    flat, op = call.args[0], call.args[1]
-    if flat.nbytes != x.nbytes or flat.nbytes > arena.slot_bytes or may_fail(op) or \
+    flat = call.args[0]
+    if flat.nbytes != x.nbytes or flat.nbytes > arena.slot_bytes or \
             flat.__array_interface__["data"][0] != x.__array_interface__["data"][0]:
         return None
-    codes = kernel_codes(arena, flat.dtype, op)
-    if codes is None:
-        return None
-    want = call.collective == "all_reduce" or dispatcher.rank == call.root
+    if call.collective == "broadcast":  # one step, as tcoll.shm.vector.broadcast takes it in the kernel
+        if flat.nbytes >= ZERO_COPY_BYTES:
+            return None
+        codes, want, split, root = (KERNEL_DTYPES[np.dtype(np.uint8)], 0), dispatcher.rank != call.root, False, \
+            call.root
+    else:
+        op = call.args[1]
+        codes = None if may_fail(op) else kernel_codes(arena, flat.dtype, op)
+        if codes is None:
+            return None
+        want, split, root = call.collective == "all_reduce" or dispatcher.rank == call.root, \
+            not one_step(flat.nbytes, arena), -1
     agreement = dispatcher.agreement
     return kernel_module.Express(
         agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], want,
-        not one_step(flat.nbytes, arena), arena.kernel_spin_ns, arena.kernel_yields)
+        split, arena.kernel_spin_ns, arena.kernel_yields, root)

@@ -29,7 +29,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import OPS, Op
-from .arena import KERNEL_DTYPES, KERNEL_OPS, Arena, kernel_module
+from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_module
 from . import express
 from .bridge import combine_all, copy_bytes, kernel_codes, reduce_into
 
@@ -361,6 +361,9 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
         return
     raw = _raw(buf)
     total = raw.nbytes
+    if arena.kernel is not None and total < ZERO_COPY_BYTES and total <= arena.slot_bytes and \
+            _broadcast_one_step(arena, raw, root):
+        return
     ref = arena.lend(raw, total) if me == root else None
     step = arena.first_step(ref)
     if me == root and ref is None:
@@ -377,6 +380,21 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
         else:
             copy_bytes(arena, raw, source)
     arena.finish_lending(total, ref is not None)
+
+
+def _broadcast_one_step(arena: Arena, raw: np.ndarray, root: int) -> bool:
+    """A broadcast that fits a slot (and lends nothing) in the C kernel's one step, as the steps below take it;
+    whether it ran (False: nothing happened, the Python steps run it). Where the kernel stops (a late peer,
+    descriptors that differ), Python goes on: the check, then the copy out of root's slot."""
+    state = arena.run_broadcast(raw, root)
+    if state == DONE:
+        return True
+    if state != PUBLISHED:
+        return False
+    arena.agree(arena.first)
+    if arena.rank != root:
+        copy_bytes(arena, raw, arena.slot(root, arena.first)[:raw.nbytes])
+    return True
 
 
 def _broadcast_root_pieces(arena: Arena, raw: np.ndarray) -> None:
