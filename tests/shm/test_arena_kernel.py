@@ -53,6 +53,9 @@ class CountingKernel:
         self.states[state] += 1
         return state
 
+    def run_broadcast(self, *args: Any) -> int:  # (barriers: not counted)
+        return self.kernel.run_broadcast(*args)
+
 
 def _counting(comm: tcoll.Communicator) -> CountingKernel:
     comm.barrier(algorithm="shm")  # makes the arena

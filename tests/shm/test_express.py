@@ -352,3 +352,52 @@ def late_broadcasts(comm: tcoll.Communicator) -> tuple[bool, int]:
 def test_a_late_peer_hands_a_broadcast_over_to_python() -> None:
     results = tcoll.spawn(late_broadcasts, 3, timeout=50, transport="shm")
     assert results == [(True, 16)] * 3, results
+
+
+def barriers_in_order(comm: tcoll.Communicator, path: str) -> dict[str, Any]:
+    """Each rank writes its round number into its word of a file, then barrier()s, then reads every word: no
+    rank may be behind that round (a barrier that let a rank through early would show it)."""
+    early, fd = 0, os.open(path, os.O_RDWR)
+    try:
+        for round_ in range(1, 301):
+            if comm.rank == 1 and round_ % 60 == 0:
+                _busy(0.005)  # late now and then: the others' kernels hand the call over
+            os.pwrite(fd, round_.to_bytes(8, "little"), 8 * comm.rank)
+            assert comm.barrier() is None
+            words = os.pread(fd, 8 * comm.size, 0)
+            early += any(int.from_bytes(words[8 * q:8 * q + 8], "little") < round_ for q in range(comm.size))
+    finally:
+        os.close(fd)
+    entry = comm.core.dispatch.lean.get(("barrier", "auto"))
+    return {"early": early, "completed": getattr(getattr(entry, "express", None), "completed", 0),
+            "sequence": comm.core.dispatch.sequence}
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2, 3])
+def test_express_barriers_hold_every_rank_until_all_came(size: int, tmp_path: Any) -> None:
+    path = tmp_path / "rounds"
+    path.write_bytes(bytes(8 * size))
+    results = tcoll.spawn(barriers_in_order, size, (str(path),), timeout=50, transport="shm")
+    assert all(r["early"] == 0 and r["sequence"] == 300 for r in results), results
+    if size == 2:
+        assert all(r["completed"] > 0 for r in results), results
+
+
+def barrier_then_another(comm: tcoll.Communicator) -> str:
+    """Express barriers; at the 8th call rank 1 broadcasts instead: every rank must raise, none go on."""
+    comm.timeout = 20.0
+    for call in range(12):
+        try:
+            comm.broadcast(np.ones(3), 0) if comm.rank == 1 and call == 8 else comm.barrier()
+        except tcoll.TcollError as exc:
+            return f"{type(exc).__name__} at call {call}"
+    return "no error"
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_a_broadcast_against_express_barriers_is_an_error_on_every_rank() -> None:
+    said = tcoll.spawn(barrier_then_another, 3, timeout=50, transport="shm")
+    assert said == ["MismatchError at call 8"] * 3, said

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..ops import Op
+from ..shm.express import NOTHING
 from .calls import Call, numbered
 from .checks import apart, check_peer, output, reduction_input, row_counts
 from .plans import MISS, again, lean_run
@@ -178,8 +179,8 @@ def barrier(comm: Communicator, *, algorithm: str = "auto", async_op: bool = Fal
     dispatcher = comm.core.dispatch
     if async_op or dispatcher.capturing:
         return dispatcher.run(Call("barrier", (), 0, algorithm=algorithm), async_op)
-    prepared = dispatcher.lean.get(("barrier", algorithm))
-    if prepared is None:
-        prepared = dispatcher.lean[("barrier", algorithm)] = dispatcher.prepare(
-            Call("barrier", (), 0, algorithm=algorithm))
-    return dispatcher.run_prepared(prepared)
+    # Remembered (and run whole in C, tcoll.shm.express) as a call on a buffer of no bytes: the token.
+    if again(comm, ("barrier", algorithm), NOTHING) is MISS:
+        lean_run(dispatcher, ("barrier", algorithm), NOTHING, Call("barrier", (), 0, algorithm=algorithm,
+                                                                   result=NOTHING))
+    return None

@@ -35,12 +35,13 @@ import numpy as np
 
 from .kernel_abi import KERNEL_DTYPES, kernel_module
 
-__all__ = ["HANDED_OVER", "new_gate", "build", "forget_all"]
+__all__ = ["HANDED_OVER", "NOTHING", "new_gate", "build", "forget_all"]
 
 # What an express call returns when it began the call and the Python path must go on with it.
 HANDED_OVER = kernel_module.HANDED_OVER if kernel_module is not None else object()
 
-_COLLECTIVES = ("all_reduce", "reduce", "broadcast")
+_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "barrier")
+NOTHING = np.empty(0, dtype=np.uint8)  # a barrier's buffer: a broadcast of no bytes (its step in the C kernel)
 
 
 class _ShutGate:
@@ -93,19 +94,19 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
 
     call, info = prepared.call, prepared.info
     arena = dispatcher.arena
-    if (arena is None or arena.kernel is None or arena.size < 2 or info is None or not info.direct
-            or info.name != "shm" or call.collective not in _COLLECTIVES or prepared.async_op or prepared.finishes
+    if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
+            or info is None or not info.direct or info.name != "shm" or call.collective not in _COLLECTIVES or prepared.async_op or prepared.finishes
             or call.copies or call.staged is not None or type(x) is not np.ndarray):
         return None
-    flat = call.args[0]
+    flat = call.args[0] if call.args else x  # (a barrier's token: no bytes)
     if flat.nbytes != x.nbytes or flat.nbytes > arena.slot_bytes or \
             flat.__array_interface__["data"][0] != x.__array_interface__["data"][0]:
         return None
-    if call.collective == "broadcast":  # one step, as tcoll.shm.vector.broadcast takes it in the kernel
+    if call.collective in ("broadcast", "barrier"):  # one step, as tcoll.shm.vector takes it in the kernel
         if flat.nbytes >= ZERO_COPY_BYTES:
             return None
-        codes, want, split, root = (KERNEL_DTYPES[np.dtype(np.uint8)], 0), dispatcher.rank != call.root, False, \
-            call.root
+        root = call.root if call.collective == "broadcast" else 0  # (a barrier: a broadcast of no bytes)
+        codes, want, split = (KERNEL_DTYPES[np.dtype(np.uint8)], 0), dispatcher.rank != root, False
     else:
         op = call.args[1]
         codes = None if may_fail(op) else kernel_codes(arena, flat.dtype, op)

@@ -31,6 +31,7 @@ from ..algos.topology import part_bounds
 from ..ops import OPS, Op
 from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_module
 from . import express
+from .express import NOTHING
 from .bridge import combine_all, copy_bytes, kernel_codes, reduce_into
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
@@ -431,7 +432,7 @@ def barrier(arena: Arena) -> None:
     Steps: one counter store per rank, then a poll (or sleep) until all
     counters reach the step; a sleeping rank is woken by the last arrival.
     """
-    if arena.size > 1:
+    if arena.size > 1 and not (arena.kernel is not None and _broadcast_one_step(arena, NOTHING, 0)):
         step = arena.first_step()
         arena.publish(step)
         arena.agree(step)
