@@ -27,9 +27,11 @@ repeat: all_reduce, reduce, broadcast and barrier keep the prepared call of
 up to LEAN_ENTRIES recent buffers of at most LEAN_BYTES, keyed by the
 buffer's identity and the call's arguments and re-validated by shape, dtype
 and flags at each call (a cached buffer stays referenced until it drops out).
-An all_reduce or reduce that the arena's C kernel runs goes further: once it
-has run in Python, its later calls run whole in one C call (tcoll.shm.express)
-while nothing is pending that Python must look at; a plan of one does too.
+An all_reduce, reduce, broadcast or barrier that the arena's C kernel runs goes
+further: once it has run again in Python, its later calls run whole in one C
+call (tcoll.shm.express) while nothing is pending that Python must look at; a
+plan of one does too. (Not after its first run: a buffer seen once, as a torch
+tensor's new NumPy view at every call is, gets no express call it would never use.)
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call) -> Any:
         lean.clear()
     entry = lean[key] = _Lean(x, prepared)
     result = dispatcher.run_prepared(prepared)
-    _renew_express(dispatcher, entry, prepared, x)
+    _renew_express(dispatcher, entry, prepared, x, make=False)
     return result
 
 
@@ -275,10 +277,11 @@ def lean_again(dispatcher: Dispatcher, entry: _Lean, x: Any, handed_over: bool =
     return result
 
 
-def _renew_express(dispatcher: Dispatcher, holder: Any, prepared: Prepared, x: Any) -> None:
+def _renew_express(dispatcher: Dispatcher, holder: Any, prepared: Prepared, x: Any, make: bool = True) -> None:
     """After `prepared` (on buffer `x`) ran well in Python: open the gate if nothing is pending, and give
-    `holder` (a _Lean, or a Plan) an express call of it if it has none that runs on the arena of now."""
-    if holder.express is _NEVER or not (dispatcher.gate.is_open or dispatcher.open_gate()):
+    `holder` (a _Lean, or a Plan) an express call of it if it has none that runs on the arena of now
+    (unless not `make`: the buffer's first call)."""
+    if not (dispatcher.gate.is_open or dispatcher.open_gate()) or holder.express is _NEVER or not make:
         return
     made = holder.express
     if made is None or not made.usable(dispatcher.arena.kernel):  # type: ignore[union-attr]
