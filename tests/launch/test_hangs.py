@@ -119,7 +119,7 @@ DEADLOCK = """
 @pytest.mark.timeout(90)
 def test_a_receive_deadlock_names_both_ranks_and_their_lines(tmp_path: Path) -> None:
     run_id = f"hangdeadlock{os.getpid()}"
-    proc = _start(tmp_path, DEADLOCK, 2, run_id, TCOLL_HANG_REPORT="1.5")
+    proc = _start(tmp_path, DEADLOCK, 2, run_id, TCOLL_HANG_REPORT="2")
     try:
         text = _until_verdict(proc, "a deadlock")
         assert "verdict: ranks 0 and 1 each wait to receive from the other (tag 7): a deadlock" in text, text
@@ -188,7 +188,7 @@ def test_a_rank_in_another_collective_is_a_deadlock_across_calls(tmp_path: Path)
     # Rank 2 enters a barrier of the sub-communicator {2, 3} that rank 3 never calls, while ranks 0, 1 and 3 wait
     # for it in the world's all_reduce #5 (the split is #1): no fingerprint can tell, and the timeout is long.
     run_id = f"hangother{os.getpid()}"
-    proc = _start(tmp_path, ANOTHER_CALL, 4, run_id, TCOLL_HANG_REPORT="1.5", TCOLL_TIMEOUT="120")
+    proc = _start(tmp_path, ANOTHER_CALL, 4, run_id, TCOLL_HANG_REPORT="2", TCOLL_TIMEOUT="120")
     try:
         text = _until_verdict(proc, "barrier")  # a slow start may be reported first
         assert ("verdict: a deadlock across calls: rank 2 in barrier #1 among ranks 2 and 3 (job.py:7) waits for "
@@ -257,7 +257,7 @@ def test_a_ddp_rank_asleep_before_its_backward_is_named_with_its_line(tmp_path: 
     # backward(); its row names the user's backward line, rank 1's its sleep.
     pytest.importorskip("torch")
     run_id = f"hangddp{os.getpid()}"
-    proc = _start(tmp_path, DDP_ASLEEP, 2, run_id, TCOLL_HANG_REPORT="1.5")
+    proc = _start(tmp_path, DDP_ASLEEP, 2, run_id, TCOLL_HANG_REPORT="2")
     try:
         text = _until_verdict(proc, "time.sleep")  # a slow start (importing torch) may be reported first
         found = re.search(r"verdict: rank 1 has made no call since all_reduce #(\d+), and is at job\.py:9 "
@@ -296,7 +296,7 @@ def test_a_job_on_two_hosts_is_reported_whole_by_node_0(tmp_path: Path) -> None:
             runtime.mkdir(mode=0o700)
             args = [sys.executable, "-m", "tcoll", "run", "--nnodes", "2", "--node-rank", str(host), "--master",
                     f"{hosts.addrs[0]}:29500", "-n", "2", "--run-id", run_id, str(tmp_path / "job.py")]
-            launchers.append(hosts.start(host, args, env={"XDG_RUNTIME_DIR": str(runtime), "TCOLL_HANG_REPORT": "1.5",
+            launchers.append(hosts.start(host, args, env={"XDG_RUNTIME_DIR": str(runtime), "TCOLL_HANG_REPORT": "2",
                                                           "TCOLL_STATUS": "0.25", "TCOLL_TIMEOUT": "120"}, cwd=tmp_path))
         lines = []
         assert launchers[0].stdout is not None
