@@ -5,10 +5,12 @@ collectives copy it into the arena and the other ranks copy it out again:
 two copies of every byte that crosses between ranks. With cross-memory
 attach the kernel copies straight from the other process's pages into
 this one's, once. MPICH and Open MPI use it for large messages on one
-host ("CMA"); tcoll's large all_reduce uses it where every rank of the
-arena can read every other (tcoll.shm.vector).
+host ("CMA"); with TCOLL_SHM_SINGLE_COPY=on (off by default: slower than
+the arena's slots on the CPU measured, docs/performance.md), tcoll's large
+all_reduce uses it where every rank of the arena can read every other
+(tcoll.shm.vector).
 
-Whether it can is decided once per arena, when it opens: each rank writes
+Whether it can is decided once per arena, when it opens (if rank 0 asks): each rank writes
 its pid and the address of a word of its own into the arena, reads that
 word of every other rank through process_vm_readv, and writes its verdict;
 the arena uses single copies only if every verdict is yes, so every rank
