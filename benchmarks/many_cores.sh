@@ -5,7 +5,8 @@
 # at least 16 cores, with tcoll importable (pip install -e ".[compare]" torch, or a source tree built in
 # place: python -c "from setuptools import setup; setup()" build_ext --inplace; PYTHONPATH=src).
 #   benchmarks/many_cores.sh OUT [part...]     parts: copy thresholds bench spin gloo (default: all, in order)
-# Environment: RANKS ("2 4 8 16"), MPIEXEC (the mpiexec of mpi4py's MPI library), SWEEP_TIMEOUT (90 s),
+# Environment: RANKS ("2 4 8 16"), MPIEXEC (the mpiexec of mpi4py's MPI library; the libmpi beside it becomes
+# MPI4PY_LIBMPI unless that is set), SWEEP_TIMEOUT (90 s),
 # GLOO_MAX (largest gloo size, 64M), MEASURED_LIMITS (1: bench with the one-step limits just measured).
 set -uo pipefail
 out=${1:-many-cores}
@@ -17,6 +18,10 @@ mkdir -p "$out"
 log="$out/many_cores.md"
 mpiexec_arg=()
 [[ -n ${MPIEXEC:-} ]] && mpiexec_arg=(--mpiexec "$MPIEXEC")
+# mpi4py's wheel loads the first libmpi the loader finds (a system Open MPI, say), which then sees each
+# process of MPICH's mpiexec as a world of one: point it at the library beside that mpiexec.
+beside=$(ls "$(dirname "${MPIEXEC:-/nonexistent}")"/../lib/libmpi.so.[0-9]* 2>/dev/null | head -n 1)
+[[ -z ${MPI4PY_LIBMPI:-} && -n $beside ]] && export MPI4PY_LIBMPI=$beside
 section() { printf '\n## %s\n\n' "$*" >> "$log"; }
 
 for part in $parts; do

@@ -41,7 +41,7 @@ $PY -c "from setuptools import setup; setup()" build_ext --inplace > "$OUT/build
 build=$?
 echo "build: exit $build (the kernels are optional: tcoll runs without them)"
 
-timeout 520 $PY -m pytest -v -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" \
+timeout "${TESTS_TIMEOUT:-520}" $PY -m pytest -v -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" \
   tests/comm/test_staging.py tests/torch/test_cuda.py tests/torch/test_devices.py 2>&1 | tee "$OUT/tests.log"
 tests=$?
 

@@ -146,7 +146,12 @@ def every_call(comm: tcoll.Communicator, dtype: str) -> bool:
     if r == 0:
         _same(gathered, np.stack(inputs), "gather")
     chunks = _dev(np.stack([_data(q, n, dtype, salt=3) for q in range(p)]), dtype) if r == 0 else None
-    _same(comm.scatter(chunks, root=0), _data(r, n, dtype, salt=3), "scatter")
+    out = None if r == 0 else _dev(np.zeros(n), dtype)  # off root nothing says where a new chunk should live
+    _same(comm.scatter(chunks, root=0, out=out), _data(r, n, dtype, salt=3), "scatter")
+    bare = comm.scatter(chunks, root=0)
+    if r != 0:  # ... so without out= it comes back as a NumPy array, as docs/gpu.md says
+        assert isinstance(bare, np.ndarray), type(bare)
+        np.testing.assert_array_equal(bare.astype(np.float64), _data(r, n, dtype, salt=3))
     rows = [[_data(src, n, dtype, salt=dst) for dst in range(p)] for src in range(p)]
     _same(comm.all_to_all(_dev(np.stack(rows[r]), dtype)), np.stack([rows[s][r] for s in range(p)]), "all_to_all")
     flat = np.concatenate([_data(q, 2 * p, dtype) for q in range(p)]).reshape(p, 2 * p)

@@ -65,10 +65,17 @@ class FloorSegment:
         self.step = 0
 
     def close(self) -> None:
-        """Unmap (the file is already gone)."""
-        self.flags.release()
+        """Unmap (the file is already gone), unless a view is still alive.
+
+        A view outlives the floor where an exception's traceback holds the frame that made it; the
+        mapping then goes with the last view, and the exception itself is what the caller sees.
+        """
         self.slots = []
-        self.map.close()
+        try:
+            self.flags.release()
+            self.map.close()
+        except BufferError:
+            pass
 
 
 def _spin(flags: memoryview, index: int, target: int, polite: bool) -> None:
