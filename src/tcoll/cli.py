@@ -193,6 +193,8 @@ def _add_explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async", dest="blocking", action="store_false",
                         help="an async_op=True call: the shared-memory direct algorithms do not run")
     parser.add_argument("--ordered", action="store_true", help="the op is not commutative (keep rank order)")
+    parser.add_argument("--gpu", choices=("nccl", "staging"),
+                        help="CUDA buffers on this path (docs/gpu.md): say what runs on the GPU first")
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -203,7 +205,7 @@ def _explain(args: argparse.Namespace) -> int:
         print("tcoll explain: -n and --hosts must be at least 1", file=sys.stderr)
         return 2
     print(explain(args.collective, args.size, args.nranks, args.transport, ordered=args.ordered,
-                  blocking=args.blocking, hosts=args.hosts))
+                  blocking=args.blocking, hosts=args.hosts, gpu=args.gpu))
     return 0
 
 

@@ -137,8 +137,9 @@ class Settings:
             (TCOLL_SHM_SINGLE_COPY).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
-        gpu: how calls move CUDA buffers: "auto" or "staging" (through pinned host memory, ordered on
-            the caller's stream: tcoll.comm.staging); "nccl" is not built yet (TCOLL_GPU).
+        gpu: how calls move CUDA buffers, ordered on the caller's stream (TCOLL_GPU): "staging" through
+            pinned host memory (tcoll.comm.staging); "nccl" on NCCL where every rank has its own GPU
+            (tcoll.comm.nccl; calls NCCL lacks are staged); "auto": NCCL where it can run, else staging.
         tcp_dead_after: seconds after which a TCP peer that answers nothing (its host gone
             without closing the connection: power, link, kernel) counts as lost, through TCP
             keep-alive probes while the connection is idle, and the age of unacknowledged data while
@@ -258,9 +259,6 @@ class Settings:
             raise ValueError(f"shm_kernel must be 'auto' or 'off', not {self.shm_kernel!r}")
         if self.shm_single_copy not in ("on", "off"):
             raise ValueError(f"shm_single_copy must be 'on' or 'off', not {self.shm_single_copy!r}")
-        if self.gpu == "nccl":
-            raise ValueError("gpu='nccl' (TCOLL_GPU): tcoll's NCCL path is not built yet; CUDA buffers move "
-                             "through host staging ('auto' or 'staging')")
         if self.gpu not in GPU_CHOICES:
             raise ValueError(f"gpu (TCOLL_GPU) must be one of {GPU_CHOICES}, not {self.gpu!r}")
         if self.bind not in ("auto", "none"):

@@ -89,8 +89,7 @@ def test_calls_are_not_wrapped_where_no_gpu_is_in_use() -> None:
 def test_tcoll_gpu_setting() -> None:
     assert Settings.from_env({}).gpu == "auto"
     assert Settings.from_env({"TCOLL_GPU": "staging"}).gpu == "staging"
-    with pytest.raises(ValueError, match="not built yet"):
-        Settings.from_env({"TCOLL_GPU": "nccl"})
+    assert Settings.from_env({"TCOLL_GPU": "nccl"}).gpu == "nccl"
     with pytest.raises(ValueError, match="TCOLL_GPU"):
         Settings.from_env({"TCOLL_GPU": "gpu"})
 
@@ -255,3 +254,25 @@ def cupy_calls(comm: tcoll.Communicator) -> bool:
 def test_cupy_arrays_on_cupys_current_stream() -> None:
     pytest.importorskip("cupy")
     assert tcoll.spawn(cupy_calls, 2, timeout=150) == [True, True]
+
+
+def pooled(comm: tcoll.Communicator) -> list[int]:
+    """Large staged calls go through the communicator's pinned shared memory, taken again call after call."""
+    from tcoll.comm import staging_pool
+
+    for i, nbytes in enumerate([256 << 10, 4 << 20, 256 << 10, 4 << 20, 4 << 20]):
+        x = torch.full((nbytes // 4,), float(comm.rank + i), device="cuda")
+        work = comm.all_reduce(x, async_op=i == 4)
+        if i == 4:
+            work.wait()
+        y = x + 1  # queued after the copy back: it sees the result
+        want = sum(q + i for q in range(comm.size))
+        assert bool((x == want).all().item()) and bool((y == want + 1).all().item()), (i, nbytes)
+    pool = staging_pool.pool_of(comm, torch)
+    return sorted(b.capacity for b in pool._buffers if not b.busy)
+
+
+@needs_cuda
+@pytest.mark.timeout(180)
+def test_large_staged_calls_reuse_the_pools_pinned_shared_memory() -> None:
+    assert tcoll.spawn(pooled, 2, timeout=150) == [[256 << 10, 4 << 20]] * 2

@@ -107,9 +107,25 @@ def choose(collective: str, nbytes: int, size: int, costs: Costs, *, ordered: bo
     return options[0][1]
 
 
+# The collectives that CUDA buffers run on NCCL when the path is "nccl" (tcoll.comm.nccl); the rest are staged.
+NCCL_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _gpu_lines(collective: str, nbytes: int, gpu: str, ordered: bool) -> list[str]:
+    """What a call on CUDA buffers does on path `gpu` ("nccl" or "staging"), before the CPU reckoning."""
+    if gpu == "nccl" and collective in NCCL_COLLECTIVES and not ordered:
+        return [f"CUDA buffers, path nccl: NCCL runs this {collective} on the caller's stream, with its own "
+                "algorithm (NCCL_ALGO and NCCL_PROTO choose it; tcoll does not model it).",
+                "Before it is queued, the ranks check the call on the CPU: an all_gather of 48 bytes per rank "
+                "(the table below is that check's; ops, dtypes or a named algorithm NCCL lacks are staged)."]
+    why = "the path is staging" if gpu == "staging" else "NCCL has no such call or op"
+    return [f"CUDA buffers, staged as {why}: a device-to-host copy of {nbytes} bytes on the caller's stream, the CPU "
+            "call below on pinned shared memory (comm.empty's, read in place), a host-to-device copy back."]
+
+
 def explain(collective: str, nbytes: int | str, size: int | None = None, transport: str = "shm", *,
             ordered: bool = False, uneven: bool = False, blocking: bool = True, hosts: int = 1,
-            ranks_per_host: int | None = None) -> str:
+            ranks_per_host: int | None = None, gpu: str | None = None) -> str:
     """A table of each eligible algorithm's modelled time, messages and bytes, the choice, and why.
 
     Args:
@@ -126,6 +142,8 @@ def explain(collective: str, nbytes: int | str, size: int | None = None, transpo
             ones compete (shm inside hosts, the network between them) and the chosen one's steps
             are shown with their predicted times.
         ranks_per_host: ranks on each host (default: size / hosts, else 1).
+        gpu: for CUDA buffers, the communicator's path ("nccl" or "staging", docs/gpu.md): lines first
+            say what runs on the GPU; None: CPU buffers.
 
     Returns:
         Text: a header, one line per algorithm (the chosen one marked with "*"; messages
@@ -133,6 +151,14 @@ def explain(collective: str, nbytes: int | str, size: int | None = None, transpo
         ones), and a line saying why.
     """
     nbytes = parse_size(nbytes)
+    if gpu is not None:
+        if gpu not in ("nccl", "staging"):
+            raise ValueError(f"gpu must be 'nccl' or 'staging', not {gpu!r}")
+        preface = _gpu_lines(collective, nbytes, gpu, ordered)
+        staged = not preface[0].startswith("CUDA buffers, path nccl")
+        body = explain(collective if staged else "all_gather", nbytes if staged else 48, size, transport,
+                       ordered=ordered, uneven=uneven, blocking=blocking, hosts=hosts, ranks_per_host=ranks_per_host)
+        return "\n".join(preface + [body])
     per_host = ranks_per_host or max(1, (size or hosts) // hosts)
     size = hosts * per_host if size is None else size
     topology = None

@@ -148,9 +148,11 @@ class Nccl:
         return f"{RESULTS.get(result, result)} ({self.lib.ncclGetErrorString(result).decode(errors='replace')})"
 
 
-def dtype_code(dtype: Any) -> int | None:
-    """NCCL's code for a NumPy dtype (bfloat16 by name), or None where NCCL has no such type."""
-    dtype = np.dtype(dtype)
-    if dtype.name == "bfloat16":
+def dtype_code(name: str) -> int | None:
+    """NCCL's code for a dtype by its name ("float32", "bfloat16": NumPy's and torch's names agree), or None."""
+    if name == "bfloat16":
         return BFLOAT16
-    return DTYPES.get(dtype)
+    try:
+        return DTYPES.get(np.dtype(name))
+    except TypeError:  # a name NumPy does not know (torch's complex32, say)
+        return None

@@ -17,9 +17,11 @@ result()). A new array the call returns (all_gather without `out`) comes back
 on the device of the call's first CUDA buffer, as the same kind (tensor or CuPy array).
 
 The current stream is torch's for a tensor and CuPy's for a CuPy array. torch
-does the copies (it wraps a CuPy array's memory without a copy). TCOLL_GPU
-chooses the path: "auto" and "staging" stage; NCCL ("nccl") is not built yet.
-Persistent plans (`*_init`) take CPU buffers only.
+does the copies (it wraps a CuPy array's memory without a copy), into pinned
+shared memory from the communicator's pool (tcoll.comm.staging_pool). TCOLL_GPU
+chooses the path: "staging" stages always; "nccl" and "auto" (where every rank
+has a GPU of its own) run the calls NCCL has on NCCL (tcoll.comm.nccl) and
+stage the rest. Persistent plans (`*_init`) take CPU buffers only.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ import collections
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from . import nccl
+from .staging_pool import HostPool, pool_of
 
 __all__ = ["on_device", "staged", "install", "install_once", "STAGED"]
 
@@ -89,11 +95,12 @@ def _torch_cuda() -> Any:
 class Stage:
     """The host copies of one call's CUDA buffers, and what copying back needs."""
 
-    def __init__(self, torch: Any) -> None:
-        self.torch = torch
+    def __init__(self, torch: Any, pool: HostPool) -> None:
+        self.torch, self.pool = torch, pool
         self.hosts: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(host) -> (host, device tensor, origin, stream)
         self.streams: list[Any] = []
         self.first: tuple[Any, Any, Any] | None = None  # (device, stream, origin) of the first buffer
+        self.taken: list[tuple[Any, Any]] = []  # (pool token, stream of its copies)
 
     def host(self, obj: Any, copy_in: bool) -> Any:
         """A pinned host stand-in for `obj` (a list of them for a list), filled from it if `copy_in`."""
@@ -103,7 +110,9 @@ class Stage:
             return obj
         torch = self.torch
         tensor, stream = _as_tensor(torch, obj)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host, token = self.pool.take(tensor.nbytes, tensor.dtype, tuple(tensor.shape))
+        if token is not None:
+            self.taken.append((token, stream))
         if copy_in:
             with torch.cuda.stream(stream):
                 host.copy_(tensor, non_blocking=True)
@@ -138,11 +147,21 @@ class Stage:
                     tensor.copy_(host, non_blocking=True)
                 keep.append(host)
         mapped = self._device_form(result, keep)
+        events = {}
         for stream in self.streams:  # the pinned memory stays referenced until the copies from it have run
-            event = torch.cuda.Event()
+            event = events[stream] = torch.cuda.Event()
             event.record(stream)
             _in_flight.append((event, keep))
+        for token, stream in self.taken:  # pooled memory is reused once they have
+            self.pool.give(token, events[stream])
+        self.taken = []
         return mapped
+
+    def drop(self) -> None:
+        """The call failed: its pooled buffers are not reused (another rank may still read one)."""
+        for token, _ in self.taken:
+            self.pool.discard(token)
+        self.taken = []
 
     def _device_form(self, value: Any, keep: list[Any]) -> Any:
         """`value` with stand-ins replaced by the user's buffers and new host arrays moved to the device."""
@@ -220,7 +239,11 @@ class StagedWork:
         self._value: Any = None
 
     def wait(self, timeout: float | None = None) -> Any:
-        value = self._work.wait(timeout)
+        try:
+            value = self._work.wait(timeout)
+        except BaseException:
+            self._stage.drop()
+            raise
         if not self._done:
             self._value = self._stage.back(value, self._written)
             self._done = True
@@ -275,16 +298,62 @@ def _run(fn: _Method, signature: inspect.Signature, comm: Any, args: tuple[Any, 
     torch = _torch_cuda()
     _release_finished()
     bound = signature.bind(comm, *args, **kwargs)
-    stage = Stage(torch)
-    for name in dict.fromkeys(reads + writes):
-        if name in bound.arguments:
-            bound.arguments[name] = stage.host(bound.arguments[name], copy_in=name in reads)
-    stage.ready()
-    written = [bound.arguments[name] for name in writes if name in bound.arguments]
-    result = fn(*bound.args, **bound.kwargs)
+    if fn.__name__ in nccl.NCCL_CALLS:
+        done = _on_nccl(comm, fn.__name__, bound, torch)
+        if done is not _ABSENT:
+            return done
+    stage = Stage(torch, pool_of(comm, torch))
+    try:
+        for name in dict.fromkeys(reads + writes):
+            if name in bound.arguments:
+                bound.arguments[name] = stage.host(bound.arguments[name], copy_in=name in reads)
+        stage.ready()
+        written = [bound.arguments[name] for name in writes if name in bound.arguments]
+        result = fn(*bound.args, **bound.kwargs)
+    except BaseException:
+        stage.drop()
+        raise
     if fn.__name__ in ("isend", "irecv") or bound.arguments.get("async_op"):
         return StagedWork(result, stage, written)
     return stage.back(result, written)
+
+
+def _on_nccl(comm: Any, name: str, bound: inspect.BoundArguments, torch: Any) -> Any:
+    """Run the call on NCCL where the communicator's path is NCCL and NCCL has it; else _ABSENT (stage it)."""
+    setting = comm.core.engine.settings.gpu
+    if setting == "staging":
+        return _ABSENT
+    origins = {n: v for n, v in bound.arguments.items() if n in ("x", "out") and on_device(v)}
+    if "x" not in origins or any(isinstance(v, (list, tuple)) for v in origins.values()):
+        return _ABSENT
+    views = {n: _as_tensor(torch, v) for n, v in origins.items()}
+    bound.apply_defaults()
+    args = dict(bound.arguments)
+    args.update({n: tensor for n, (tensor, _) in views.items()})
+    if nccl.plan(name, args, torch, comm.size) is None:
+        return _ABSENT
+    path = _paths.get(comm)
+    if path is None:
+        path = _paths[comm] = nccl.choose_path(comm, torch, views["x"][0].device, setting)
+    if path != "nccl":
+        return _ABSENT
+    result = nccl.run(comm, name, args, torch, views["x"][1])
+    work = result if isinstance(result, nccl.NcclWork) else None
+    if work is not None:
+        result = work.value
+    for n, (tensor, _) in views.items():  # the user's own buffer back, as given (a CuPy array stays one)
+        if result is tensor:
+            result = origins[n]
+            break
+    else:
+        result = _like_origin(origins["x"], result)
+    if work is not None:
+        work.value = result
+        return work
+    return result
+
+
+_paths: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # communicator -> "nccl" | "staging"
 
 
 def install(cls: type) -> None:
