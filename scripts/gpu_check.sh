@@ -10,6 +10,8 @@
 #                                writing its input on a side stream; a mismatch -> MismatchError on every rank
 #   tests/torch/test_cuda.py     "cpu:tcoll,cuda:nccl" at world size 1: CUDA all_reduce on NCCL, CPU on tcoll
 #   tests/torch/test_devices.py  the same routing without a GPU (meta:fake), as on CPU machines
+#   tests/bench/test_bench_cuda.py  tcoll bench --device cuda: 2 ranks sharing the GPU with --check (#wrong 0),
+#                                and 1 rank with --compare nccl (NCCL's rows present)
 # Results go to $OUT (or /tmp/tcoll_gpu_check): env.txt, build.log, tests.log, junit.xml, summary.txt.
 # Nothing needs carrying: numpy, ml_dtypes, pytest and pytest-timeout are on the machine's image.
 set -u -o pipefail
@@ -42,7 +44,7 @@ build=$?
 echo "build: exit $build (the kernels are optional: tcoll runs without them)"
 
 timeout "${TESTS_TIMEOUT:-520}" $PY -m pytest -v -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" \
-  tests/comm/test_staging.py tests/torch/test_cuda.py tests/torch/test_devices.py 2>&1 | tee "$OUT/tests.log"
+  tests/comm/test_staging.py tests/torch/test_cuda.py tests/torch/test_devices.py tests/bench/test_bench_cuda.py 2>&1 | tee "$OUT/tests.log"
 tests=$?
 
 {

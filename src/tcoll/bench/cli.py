@@ -5,6 +5,7 @@
         [--algorithm NAME|all] [--buffers plain|shm|both] [--compare gloo,mpi,tcoll-mpi,deepspeed] [--load K]
         [--persistent] [--no-floor] [--no-copy] [--repeats 3] [--iters N] [--warmup N] [--json F]
         [--plot F.png] [--markdown]
+    tcoll bench all_reduce --device cuda [--compare nccl] ...   (CUDA tensors; plain buffers, no floor or copy)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from ..env import parse_size
 from . import BenchError
 from .collectives import CASES, DTYPES, OPS
+from .device import cuda_problem, describe_cuda, gpu_count
 from .load import LoadGenerator
 from .machine import describe_machine
 from .p2p import P2PRow, run_p2p, sizes_between
@@ -62,9 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--warmup", type=int,
                        help="warm-up calls per size, at least 1 (the first shows whether a call can run; "
                             "default: adaptive, 2..20)")
-    group.add_argument("--compare", default="", metavar="gloo,mpi,tcoll-mpi,deepspeed",
+    group.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help="where every rank's buffers live: cpu (default), or cuda: torch CUDA tensors on GPU "
+                            "local rank %% GPU count (ranks may share one; TCOLL_GPU chooses tcoll's path), each "
+                            "batch of calls timed to torch.cuda.synchronize()")
+    group.add_argument("--compare", default="", metavar="gloo,mpi,tcoll-mpi,deepspeed,nccl",
                        help="also measure torch.distributed gloo, mpi4py (MPICH), tcoll over its MPI engine, "
-                            "and/or DeepSpeed's CPU shared-memory all_reduce (float sums only)")
+                            "and/or DeepSpeed's CPU shared-memory all_reduce (float sums only); with --device "
+                            "cuda: nccl (torch.distributed's NCCL, a GPU per rank)")
     group.add_argument("--mpiexec", metavar="PATH",
                        help="the mpiexec of mpi4py's MPI library, for --compare mpi,tcoll-mpi (default: the one "
                             "beside this Python, else on PATH); a job whose ranks see another size is refused")
@@ -159,12 +166,41 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         sizes = sizes_between(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    _check_device(args)
     compare = _targets(args.compare, cases, args.dtype, args.op)
+    if "nccl" in compare and args.nranks > gpu_count():  # NCCL refuses two ranks on one GPU
+        print(f"# compare: nccl skipped: {args.nranks} ranks share {gpu_count()} GPU(s); NCCL needs one GPU per "
+              "rank", file=sys.stderr)
+        compare.remove("nccl")
+    cpu = args.device == "cpu"
     return BenchConfig(cases=cases, n=args.nranks, sizes=sizes, dtype=args.dtype, op=args.op, root=args.root,
                        algorithm=args.algorithm, buffers=buffers, compare=compare,
                        repeats=args.repeats, iters=args.iters, warmup=args.warmup, check=args.check,
-                       timeout=args.timeout, persistent=args.persistent, floor=args.floor,
-                       copy=args.copy, mpiexec=args.mpiexec)
+                       timeout=args.timeout, persistent=args.persistent, floor=args.floor and cpu,
+                       copy=args.copy and cpu, mpiexec=args.mpiexec, device=args.device)
+
+
+_CPU_TARGETS = ("gloo", "mpi", "tcoll-mpi", "deepspeed")
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """Refuse what --device does not go with; --device cuda without a CUDA device fails here, before any rank."""
+    targets = {t.strip() for t in args.compare.split(",") if t.strip()}
+    if args.device == "cpu":
+        if "nccl" in targets:
+            raise UsageError("--compare nccl needs --device cuda (NCCL moves CUDA tensors)")
+        return
+    if args.buffers != "plain":
+        raise UsageError(f"--buffers {args.buffers} is for --device cpu (comm.empty is host shared memory); "
+                         "--device cuda times plain CUDA tensors")
+    if args.persistent:
+        raise UsageError("--persistent is for --device cpu (tcoll's persistent plans take CPU buffers only)")
+    cpu_only = sorted(targets & set(_CPU_TARGETS))
+    if cpu_only:
+        raise UsageError(f"--compare {','.join(cpu_only)} times CPU buffers; with --device cuda compare nccl only")
+    why = cuda_problem()
+    if why is not None:
+        raise UsageError(why)
 
 
 def _header(config: BenchConfig, load: int) -> dict[str, Any]:
@@ -172,9 +208,12 @@ def _header(config: BenchConfig, load: int) -> dict[str, Any]:
 
     timing = (f"{config.iters} timed calls" if config.iters else "adaptive timed calls (5..1000)") + \
         f", median of {config.repeats} repeats (min in --json), time = max over ranks"
+    if config.device == "cuda":
+        timing += ", each batch of calls ended by torch.cuda.synchronize()"
     return {"machine": describe_machine(), "versions": versions(config.compare), "n": config.n,
             "dtype": config.dtype, "op": config.op, "root": config.root, "buffers": ",".join(config.buffers),
             "algorithm": config.algorithm, "load": load, "check": config.check, "timing": timing,
+            "device": config.device, "gpus": describe_cuda() if config.device == "cuda" else None,
             "argv": sys.argv[1:]}
 
 
@@ -185,6 +224,10 @@ def _print_header(header: dict[str, Any]) -> None:
              (f"ranks: {header['n']}, dtype {header['dtype']}, op {header['op']}, root {header['root']}, "
               f"tcoll buffers {header['buffers']}, tcoll algorithm {header['algorithm']}"),
              f"load: {load}", f"timing: {header['timing']}"]
+    if header["device"] == "cuda":
+        lines[2:2] = [f"device: cuda, {header['gpus']}",
+                      ("buffers: torch CUDA tensors on GPU local rank % GPU count; no floor or copy columns "
+                       "(host-memory measures, as --no-floor --no-copy)")]
     print("\n".join("# " + line for line in lines), file=sys.stderr)
 
 

@@ -1,8 +1,9 @@
-"""The compare targets: torch.distributed with gloo, mpi4py with MPICH, and DeepSpeed's CPU shm all_reduce.
+"""The compare targets: torch.distributed with gloo or NCCL, mpi4py with MPICH, and DeepSpeed's CPU shm all_reduce.
 
 Each runs the same plan as tcoll (`sweep.sweep`) in its own processes:
 gloo as n `python -m tcoll.bench.gloo_worker` subprocesses meeting at
-127.0.0.1 on a free port; MPI as `mpiexec -n N python -m tcoll.bench.mpi_worker`.
+127.0.0.1 on a free port; NCCL (--device cuda) the same way with
+`python -m tcoll.bench.nccl_worker`, on CUDA tensors, a GPU per rank; MPI as `mpiexec -n N python -m tcoll.bench.mpi_worker`.
 tcoll itself over its MPI engine ("tcoll-mpi") as `mpiexec -n N python -m
 tcoll.bench.tcoll_mpi_worker` with TCOLL_TRANSPORT=mpi. DeepSpeed as n
 `python -m tcoll.bench.deepspeed_worker` subprocesses like gloo's, with
@@ -30,10 +31,10 @@ from typing import Any
 
 from . import BenchError
 
-__all__ = ["TARGETS", "limits", "missing", "mpiexec", "run_deepspeed", "run_gloo", "run_mpi", "run_tcoll_mpi",
-           "versions"]
+__all__ = ["TARGETS", "limits", "missing", "mpiexec", "run_deepspeed", "run_gloo", "run_mpi", "run_nccl",
+           "run_tcoll_mpi", "versions"]
 
-TARGETS = ("gloo", "mpi", "tcoll-mpi", "deepspeed")
+TARGETS = ("gloo", "mpi", "tcoll-mpi", "deepspeed", "nccl")
 _HINT = "pip install tcoll[compare]"
 _DS_HINT = "pip install tcoll[deepspeed]"
 
@@ -51,6 +52,14 @@ def missing(target: str) -> str | None:
     if target == "gloo":
         if importlib.util.find_spec("torch") is None:
             return f"torch is not installed ({_HINT})"
+        return None
+    if target == "nccl":
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed"
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_nccl_available():
+            return "this torch has no NCCL (torch.distributed.is_nccl_available() is false)"
         return None
     if target in ("mpi", "tcoll-mpi"):
         if importlib.util.find_spec("mpi4py") is None:
@@ -83,7 +92,7 @@ def versions(targets: list[str]) -> dict[str, str]:
     from .. import __version__
 
     found = {"tcoll": __version__}
-    if "gloo" in targets:
+    if "gloo" in targets or "nccl" in targets:
         found["torch"] = _version("torch") or "?"
     if "mpi" in targets or "tcoll-mpi" in targets:
         found["mpi4py"] = _version("mpi4py") or "?"
@@ -212,6 +221,17 @@ def run_gloo(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
                    LOCAL_RANK=str(rank))
         commands.append(([sys.executable, "-m", "tcoll.bench.gloo_worker"], env))
     return _launch("gloo", commands, plan, timeout)
+
+
+def run_nccl(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Sweep the plan with torch.distributed (NCCL, CUDA tensors, a GPU per rank) on n subprocesses."""
+    port = _free_port()
+    commands = []
+    for rank in range(n):
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                   LOCAL_RANK=str(rank))
+        commands.append(([sys.executable, "-m", "tcoll.bench.nccl_worker"], env))
+    return _launch("nccl", commands, plan, timeout)
 
 
 def run_deepspeed(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -41,7 +41,9 @@ class BenchConfig:
         sizes: benchmark sizes in bytes (nccl-tests' meaning; rounded per case).
         algorithm: tcoll algorithm name, "auto", or "all" (auto and every registered one).
         buffers: "plain" and/or "shm" (tcoll's comm.empty).
-        compare: other implementations to run ("gloo", "mpi", "tcoll-mpi", "deepspeed"), installed ones only.
+        compare: other implementations to run ("gloo", "mpi", "tcoll-mpi", "deepspeed", "nccl"), installed ones
+            only.
+        device: where every rank's buffers live: "cpu", or "cuda" (torch CUDA tensors, GPU local rank % GPUs).
         iters, warmup: fixed counts instead of the adaptive ones.
         timeout: seconds one implementation's sweep may take.
     """
@@ -64,6 +66,7 @@ class BenchConfig:
     floor: bool = True  # all_reduce: the bare-Python floor (bench.floor) in tcoll's processes
     copy: bool = True  # all_reduce: each rank's copy rate at each size (bench.copyrate) in tcoll's processes
     mpiexec: str | None = None  # the MPI launcher for --compare mpi, tcoll-mpi (None: compare.mpiexec finds one)
+    device: str = "cpu"
 
 
 def tcoll_algorithms(case: str, algorithm: str) -> list[str]:
@@ -100,8 +103,11 @@ def make_plan(config: BenchConfig, impl: str, progress: str | None = None) -> di
             "dtype": config.dtype, "op": config.op, "root": config.root, "iters": config.iters,
             # DeepSpeed is always checked: where it does not reduce it says nothing, and must show as wrong
             "warmup": config.warmup, "check": config.check or impl == "deepspeed", "progress": progress,
-            "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases,
-            "copy": config.copy and impl == "tcoll" and "all_reduce" in config.cases, "mpiexec": config.mpiexec}
+            # the floor and the copy rate are host-memory measures: no columns of a CUDA run
+            "floor": config.floor and impl == "tcoll" and "all_reduce" in config.cases and config.device == "cpu",
+            "copy": config.copy and impl == "tcoll" and "all_reduce" in config.cases and config.device == "cpu",
+            "mpiexec": config.mpiexec,
+            "device": config.device}
 
 
 def measurements(plan: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -24,10 +24,10 @@ __all__ = ["run_bench"]
 
 
 def _runners() -> dict[str, Callable[[int, dict[str, Any], float], dict[str, Any]]]:
-    from .compare import run_deepspeed, run_gloo, run_mpi, run_tcoll_mpi
+    from .compare import run_deepspeed, run_gloo, run_mpi, run_nccl, run_tcoll_mpi
 
     return {"tcoll": run_tcoll, "gloo": run_gloo, "mpi": run_mpi, "tcoll-mpi": run_tcoll_mpi,
-            "deepspeed": run_deepspeed}
+            "deepspeed": run_deepspeed, "nccl": run_nccl}
 
 
 def run_bench(config: BenchConfig, progress: Any = None,

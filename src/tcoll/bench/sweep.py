@@ -2,13 +2,18 @@
 
 Per size and job it times the collective as nccl-tests does:
 
-1. buffers made and filled with real data (`collectives.fill`);
+1. buffers made and filled with real data (`collectives.fill`), in host
+   memory; the backend's `placement` puts them where the calls run (on the
+   CPU: they are the call's buffers; --device cuda: CUDA tensors copied from them);
 2. `warmup` calls (the first one tells whether the implementation can run
    the call at all; if not, the row carries the error and shows as "-");
-3. a barrier, then `iters` back-to-back calls; time = elapsed / iters on
-   each rank, then the maximum over ranks;
+3. a barrier, then `iters` back-to-back calls ended by the placement's
+   synchronize (a CUDA call returns before the device is done: the time
+   counts the device work); time = elapsed / iters on each rank, then the
+   maximum over ranks;
 4. with check: the buffers are re-filled, a barrier, one more (untimed) call,
-   and the wrong elements of every rank are counted against NumPy and summed.
+   the result copied to host, and the wrong elements of every rank are
+   counted against NumPy and summed.
 """
 
 from __future__ import annotations
@@ -25,13 +30,34 @@ from .collectives import (CASES, BenchCase, Buffers, Params, Pattern, count_wron
                           resolve_dtype)
 from .plan import iterations, measurements, warmups
 
-__all__ = ["Backend", "measure", "sweep"]
+__all__ = ["Backend", "HostBuffers", "measure", "sweep"]
+
+
+class HostBuffers:
+    """Where the calls' buffers live on the CPU: the sweep's host arrays themselves (nothing to copy or wait for).
+
+    --device cuda uses bench.device.CudaBuffers instead, with the same four methods.
+    """
+
+    def place(self, host: Buffers) -> Buffers:
+        """The buffers the calls use, made once from the filled host buffers."""
+        return host
+
+    def push(self, host: Buffers, placed: Buffers) -> None:
+        """Copy the re-filled host buffers into the placed ones."""
+
+    def pull(self, placed: Buffers, host: Buffers) -> None:
+        """Copy the placed buffers' contents into the host ones (to be checked there)."""
+
+    def synchronize(self) -> None:
+        """Wait until the calls made so far have finished on the device."""
 
 
 class Backend:
     """What `sweep` needs from an implementation on one rank."""
 
     name = "?"
+    placement: HostBuffers = HostBuffers()
     rank: int
     size: int
     recoverable: tuple[type[BaseException], ...] = (ValueError, TypeError, NotImplementedError)
@@ -74,8 +100,10 @@ def measure(backend: Backend, job: dict[str, Any], nbytes: int, plan: dict[str, 
            "form": job.get("form", "call"), "nbytes": lay.nbytes, "count": lay.count, "dtype": plan["dtype"],
            "op": plan["op"] if case.reduces else "none", "n": backend.size, "iters": iters, "warmup": warm,
            "time": None, "wrong": None, "error": None}
-    bufs = make_buffers(case, lay, p, backend.allocator(job))
-    fill(bufs, pattern, backend.rank)
+    host = make_buffers(case, lay, p, backend.allocator(job))
+    fill(host, pattern, backend.rank)
+    placement = backend.placement
+    bufs = placement.place(host)
     try:
         call = backend.bind(case, bufs, p, job["form"]) if job.get("form", "call") != "call" else \
             backend.bind(case, bufs, p)
@@ -85,17 +113,23 @@ def measure(backend: Backend, job: dict[str, Any], nbytes: int, plan: dict[str, 
         return row
     for _ in range(warm - 1):
         call()
+    placement.synchronize()  # the warm-up calls' device work is not timed
     backend.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         call()
+    placement.synchronize()
     elapsed = time.perf_counter() - start
     row["time"] = backend.max_all(elapsed / iters)
     if plan["check"] and case.checked is not None:
-        fill(bufs, pattern, backend.rank)
+        fill(host, pattern, backend.rank)
+        placement.push(host, bufs)
+        placement.synchronize()
         backend.barrier()  # nobody's data may reach a rank still re-filling
         call()
-        row["wrong"] = backend.sum_all(count_wrong(case, bufs, pattern, lay, p))
+        placement.synchronize()
+        placement.pull(bufs, host)
+        row["wrong"] = backend.sum_all(count_wrong(case, host, pattern, lay, p))
     return row
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,7 @@ import numpy as np
 from . import BenchError
 from .collectives import CASES, BenchCase, Buffers, Params, layout, resolve_dtype
 from .plan import iterations
-from .sweep import Backend, sweep
+from .sweep import Backend, HostBuffers, sweep
 
 __all__ = ["TcollBackend", "tcoll_worker", "floor_rows", "copy_rows", "run_tcoll"]
 
@@ -34,10 +35,12 @@ class TcollBackend(Backend):
 
     name = "tcoll"
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, placement: HostBuffers | None = None) -> None:
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
+        if placement is not None:  # --device cuda: bench.device.CudaBuffers
+            self.placement = placement
 
     def barrier(self) -> None:
         self.comm.barrier()
@@ -64,15 +67,22 @@ class TcollBackend(Backend):
         from .. import __version__
 
         transports = sorted({self.comm.transport(r) for r in range(self.size) if r != self.rank})
-        return {"version": __version__, "transports": transports}
+        found: dict[str, Any] = {"version": __version__, "transports": transports}
+        if not isinstance(self.placement, HostBuffers):  # CUDA buffers: how the user asked tcoll to move them
+            found["TCOLL_GPU"] = os.environ.get("TCOLL_GPU", "unset (auto)")
+        return found
 
 
-def tcoll_worker(comm: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
-    """The body of a tcoll rank: sweep the plan; rank 0 returns {"rows": ..., "info": ...}."""
+def tcoll_worker(comm: Any, plan: dict[str, Any], placement: HostBuffers | None = None) -> dict[str, Any] | None:
+    """The body of a tcoll rank: sweep the plan; rank 0 returns {"rows": ..., "info": ...}.
+
+    Args:
+        placement: where the calls' buffers live (None: host memory; bench.tcoll_cuda passes CUDA's).
+    """
     # In-place sums repeated iters times overflow to inf (as they do in gloo and MPI, silently);
     # the reductions may run on tcoll's own threads, so this is a process-wide filter, not np.seterr.
     warnings.filterwarnings("ignore", r"(overflow|invalid value) encountered", RuntimeWarning)
-    backend = TcollBackend(comm)
+    backend = TcollBackend(comm, placement)
     rows = sweep(backend, plan)
     if plan.get("floor"):
         rows += floor_rows(comm, plan)
@@ -125,11 +135,23 @@ def copy_rows(comm: Any, plan: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_tcoll(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Sweep the plan on n tcoll rank processes (tcoll.spawn; tcoll picks shm on one host)."""
+    """Sweep the plan on n tcoll rank processes (tcoll.spawn; tcoll picks shm on one host).
+
+    With plan["device"] "cuda" the ranks run bench.tcoll_cuda's worker on CUDA buffers, and see the
+    TCOLL_GPU the user set (none set: tcoll's default).
+    """
     from ..errors import SpawnError, TimeoutError
     from ..startup.spawn import spawn
 
+    worker: Callable[..., Any] = tcoll_worker
+    env = {}
+    if plan.get("device") == "cuda":
+        from .tcoll_cuda import tcoll_cuda_worker
+
+        worker = tcoll_cuda_worker
+        if "TCOLL_GPU" in os.environ:
+            env["TCOLL_GPU"] = os.environ["TCOLL_GPU"]
     try:
-        return spawn(tcoll_worker, n, (plan,), timeout=timeout)[0]
+        return spawn(worker, n, (plan,), timeout=timeout, env=env)[0]
     except (SpawnError, TimeoutError) as exc:
         raise BenchError(f"tcoll ranks failed: {exc}") from exc
