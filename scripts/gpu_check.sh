@@ -8,6 +8,9 @@
 #                                2 and 4 ranks sharing the GPU, every collective and send/recv on float32,
 #                                bfloat16 and int64 against NumPy; a call queued behind a kernel still
 #                                writing its input on a side stream; a mismatch -> MismatchError on every rank
+#   tests/comm/test_nccl.py      tcoll's NCCL path at world size 1 (NCCL refuses two ranks on one GPU): every
+#                                NCCL call against NumPy, the stream rule, a stuck call aborted and named; two
+#                                ranks on the GPU: TCOLL_GPU=nccl refused by name, a mismatch raised on every rank
 #   tests/torch/test_cuda.py     "cpu:tcoll,cuda:nccl" at world size 1: CUDA all_reduce on NCCL, CPU on tcoll
 #   tests/torch/test_devices.py  the same routing without a GPU (meta:fake), as on CPU machines
 #   tests/bench/test_bench_cuda.py  tcoll bench --device cuda: 2 ranks sharing the GPU with --check (#wrong 0),
@@ -44,7 +47,7 @@ build=$?
 echo "build: exit $build (the kernels are optional: tcoll runs without them)"
 
 timeout "${TESTS_TIMEOUT:-520}" $PY -m pytest -v -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" \
-  tests/comm/test_staging.py tests/torch/test_cuda.py tests/torch/test_devices.py tests/bench/test_bench_cuda.py 2>&1 | tee "$OUT/tests.log"
+  tests/comm/test_staging.py tests/comm/test_nccl.py tests/torch/test_cuda.py tests/torch/test_devices.py tests/bench/test_bench_cuda.py 2>&1 | tee "$OUT/tests.log"
 tests=$?
 
 {

@@ -219,20 +219,37 @@ class _State:
             self.handle = lib.init_rank(comm.size, uid, comm.rank)
         self.device, self.timeout, self.rank = device, timeout, comm.rank
         self.error: TcollError | None = None
-        weakref.finalize(comm, _abort, self.handle)  # at the communicator's end: nothing may wait on it then
+        self._lock = threading.Lock()
+        self._aborted = False
+        weakref.finalize(comm, self.abort)  # at the communicator's end: nothing may wait on it then
 
     def fail(self, error: TcollError) -> None:
         """Abort the NCCL communicator (its queued calls end) and keep `error` for the calls to come."""
         if self.error is None:
             self.error = error
-            _abort(self.handle)
+            self.abort()
 
+    def async_error(self) -> tuple[int, str]:
+        """NCCL's error state of the communicator and its text; (0, "") once aborted (its handle is gone)."""
+        with self._lock:  # an abort (the finalizer's, another thread's) never frees the handle under this call
+            if self._aborted:
+                return 0, ""
+            try:
+                code = Nccl.load().async_error(self.handle)
+            except NcclError as exc:
+                return -1, str(exc)
+            return code, Nccl.load().error_text(code)
 
-def _abort(handle: int) -> None:
-    try:
-        Nccl.load().lib.ncclCommAbort(handle)
-    except (NcclError, OSError):  # pragma: no cover - the library went away at exit
-        pass
+    def abort(self) -> None:
+        """ncclCommAbort, once (a second would free the communicator twice)."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        try:
+            Nccl.load().lib.ncclCommAbort(self.handle)
+        except (NcclError, OSError):  # pragma: no cover - the library went away at exit
+            pass
 
 
 class NcclWork:
@@ -333,12 +350,7 @@ class _Watchdog:
     @staticmethod
     def _look_for_errors(state: _State) -> None:
         """Fail a communicator whose NCCL reports an asynchronous error (a peer gone, a network failure)."""
-        try:
-            code = Nccl.load().async_error(state.handle)
-        except NcclError as exc:
-            code, text = -1, str(exc)
-        else:
-            text = Nccl.load().error_text(code)
+        code, text = state.async_error()
         if code not in (0, 7):  # ncclSuccess, ncclInProgress
             state.fail(TcollError(f"NCCL reported an error on rank {state.rank}: {text}; tcoll aborted its "
                                   "NCCL communicator"))
@@ -348,22 +360,24 @@ _watchdog = _Watchdog()
 _states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 
 
-def run(comm: Any, name: str, args: dict[str, Any], torch: Any, stream: Any) -> Any | None:
-    """Run the call on NCCL if NCCL has it; None where it does not (the caller stages it).
+def run(comm: Any, p: _Plan, async_op: bool, torch: Any, stream: Any) -> Any:
+    """Check the call with every rank, then queue it on NCCL.
 
     Args:
         comm: the tcoll communicator, whose path is "nccl".
-        name: the Communicator method.
-        args: its bound arguments, CUDA buffers as torch tensors of the same memory, with defaults applied.
+        p: the call's plan (`plan`).
+        async_op: return a NcclWork rather than the result.
         torch: the torch module.
         stream: the caller's current stream (a torch stream) for the first buffer.
 
     Returns:
-        The call's result (its buffer or new tensor), or a NcclWork with async_op; None: not an NCCL call.
+        The call's result (its buffer or a new tensor), or a NcclWork with async_op.
+
+    Raises:
+        MismatchError, PeerFailedError: the ranks' calls differ, or another rank's NCCL failed before.
+        TimeoutError, TcollError: this rank's NCCL failed before (a call that timed out, an NCCL error).
     """
-    p = plan(name, args, torch, comm.size)
-    if p is None:
-        return None
+    name = p.name
     state = _states.get(comm)
     device = p.tensors["x"].device
     mine = p.words
@@ -388,7 +402,7 @@ def run(comm: Any, name: str, args: dict[str, Any], torch: Any, stream: Any) -> 
     if timeline is not None:
         timeline.call(f"nccl {name}", began, work, {"count": p.words[3], "path": "nccl"})
     _watchdog.follow(work)
-    return work if args.get("async_op") else p.result
+    return work if async_op else p.result
 
 
 def _now_us() -> float:

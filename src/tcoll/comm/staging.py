@@ -330,14 +330,15 @@ def _on_nccl(comm: Any, name: str, bound: inspect.BoundArguments, torch: Any) ->
     bound.apply_defaults()
     args = dict(bound.arguments)
     args.update({n: tensor for n, (tensor, _) in views.items()})
-    if nccl.plan(name, args, torch, comm.size) is None:
-        return _ABSENT
     path = _paths.get(comm)
+    p = nccl.plan(name, args, torch, comm.size) if path != "staging" else None
+    if p is None:
+        return _ABSENT
     if path is None:
         path = _paths[comm] = nccl.choose_path(comm, torch, views["x"][0].device, setting)
-    if path != "nccl":
-        return _ABSENT
-    result = nccl.run(comm, name, args, torch, views["x"][1])
+        if path != "nccl":
+            return _ABSENT
+    result = nccl.run(comm, p, args.get("async_op", False), torch, views["x"][1])
     work = result if isinstance(result, nccl.NcclWork) else None
     if work is not None:
         result = work.value
