@@ -21,7 +21,11 @@ mpiexec_arg=()
 # mpi4py's wheel loads the first libmpi the loader finds (a system Open MPI, say), which then sees each
 # process of MPICH's mpiexec as a world of one: point it at the library beside that mpiexec.
 beside=$(ls "$(dirname "${MPIEXEC:-/nonexistent}")"/../lib/libmpi.so.[0-9]* 2>/dev/null | head -n 1)
-[[ -z ${MPI4PY_LIBMPI:-} && -n $beside ]] && export MPI4PY_LIBMPI=$beside
+[[ -z ${MPI4PY_LIBMPI:-} && -n $beside ]] && export MPI4PY_LIBMPI=$beside MPI4PY_MPIABI=mpich
+# `pip install --target DIR mpich-*.whl` puts mpiexec in DIR/bin but leaves out the wheel's lib/: unzip it
+# there first (unzip -q mpich-*.whl 'mpich-*.data/data/lib/*' -d /tmp/w && cp -a /tmp/w/*/data/lib DIR/).
+[[ -n ${MPIEXEC:-} && -z ${MPI4PY_LIBMPI:-} ]] && echo "many_cores.sh: no libmpi beside $MPIEXEC and no" \
+    "MPI4PY_LIBMPI: mpi4py may load another MPI, and the MPI columns will be refused" >&2
 section() { printf '\n## %s\n\n' "$*" >> "$log"; }
 
 for part in $parts; do

@@ -148,9 +148,9 @@ def every_call(comm: tcoll.Communicator, dtype: str) -> bool:
     out = None if r == 0 else _dev(np.zeros(n), dtype)  # off root nothing says where a new chunk should live
     _same(comm.scatter(chunks, root=0, out=out), _data(r, n, dtype, salt=3), "scatter")
     bare = comm.scatter(chunks, root=0)
-    if r != 0:  # ... so without out= it comes back as a NumPy array, as docs/gpu.md says
-        assert isinstance(bare, np.ndarray), type(bare)
-        np.testing.assert_array_equal(bare.astype(np.float64), _data(r, n, dtype, salt=3))
+    if r != 0:  # ... so without out= it comes back in host memory (a CPU tensor: root's were tensors), as docs say
+        assert isinstance(bare, torch.Tensor) and not bare.is_cuda, (type(bare), getattr(bare, "device", None))
+        np.testing.assert_array_equal(_host(bare), _data(r, n, dtype, salt=3))
     rows = [[_data(src, n, dtype, salt=dst) for dst in range(p)] for src in range(p)]
     _same(comm.all_to_all(_dev(np.stack(rows[r]), dtype)), np.stack([rows[s][r] for s in range(p)]), "all_to_all")
     flat = np.concatenate([_data(q, 2 * p, dtype) for q in range(p)]).reshape(p, 2 * p)
