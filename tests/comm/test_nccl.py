@@ -260,8 +260,29 @@ def test_a_mismatch_on_the_nccl_path_raises_on_every_rank(what: str) -> None:
 
 def test_explain_says_what_runs_on_the_gpu() -> None:
     text = tcoll.explain("all_reduce", "64MiB", 4, gpu="nccl")
-    assert "NCCL runs this all_reduce" in text and "all_gather, 48 B per rank" in text
+    assert "NCCL runs this all_reduce" in text and "all_reduce, 96 B per rank" in text
     assert "staged as NCCL has no such call" in tcoll.explain("scan", "1MiB", 2, gpu="nccl")
     assert "staged as the path is staging" in tcoll.explain("all_reduce", "1MiB", 2, gpu="staging")
     with pytest.raises(ValueError, match="gpu must be"):
         tcoll.explain("all_reduce", 8, 2, gpu="cuda")
+
+
+@pytest.mark.timeout(60)
+def test_ranks_whose_nccl_all_failed_do_not_agree_to_go_on() -> None:
+    """Equal descriptions of failure still fail: agreement is for calls, not for every rank being broken."""
+    got = tcoll.spawn(_agree, 2, ({0: [nccl._BROKEN, 0, 0, 0, 0, 0]},), threads=True, timeout=60)
+    assert all(text.startswith("PeerFailedError") and "rank 0: its NCCL" in text for text in got), got
+
+
+def _agree_twice(comm: tcoll.Communicator) -> list[str]:
+    """A second call on the same communicator agrees too (the buffer is reused), then a third disagrees."""
+    words = [1, 0, 7, 8, 0, 8]
+    seen = [_agree(comm, {0: words}), _agree(comm, {0: words})]
+    seen.append(_agree(comm, {0: words, 1: [1, 0, 7, 9, 0, 9]}))
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_agreement_is_checked_afresh_at_every_call() -> None:
+    for seen in tcoll.spawn(_agree_twice, 2, timeout=60):
+        assert seen[:2] == ["agreed", "agreed"] and seen[2].startswith("MismatchError"), seen

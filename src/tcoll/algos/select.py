@@ -116,7 +116,7 @@ def _gpu_lines(collective: str, nbytes: int, gpu: str, ordered: bool) -> list[st
     if gpu == "nccl" and collective in NCCL_COLLECTIVES and not ordered:
         return [f"CUDA buffers, path nccl: NCCL runs this {collective} on the caller's stream, with its own "
                 "algorithm (NCCL_ALGO and NCCL_PROTO choose it; tcoll does not model it).",
-                "Before it is queued, the ranks check the call on the CPU: an all_gather of 48 bytes per rank "
+                "Before it is queued, the ranks check the call on the CPU: an all_reduce of 96 bytes per rank "
                 "(the table below is that check's; ops, dtypes or a named algorithm NCCL lacks are staged)."]
     why = "the path is staging" if gpu == "staging" else "NCCL has no such call or op"
     return [f"CUDA buffers, staged as {why}: a device-to-host copy of {nbytes} bytes on the caller's stream, the CPU "
@@ -156,7 +156,7 @@ def explain(collective: str, nbytes: int | str, size: int | None = None, transpo
             raise ValueError(f"gpu must be 'nccl' or 'staging', not {gpu!r}")
         preface = _gpu_lines(collective, nbytes, gpu, ordered)
         staged = not preface[0].startswith("CUDA buffers, path nccl")
-        body = explain(collective if staged else "all_gather", nbytes if staged else 48, size, transport,
+        body = explain(collective if staged else "all_reduce", nbytes if staged else 96, size, transport,
                        ordered=ordered, uneven=uneven, blocking=blocking, hosts=hosts, ranks_per_host=ranks_per_host)
         return "\n".join(preface + [body])
     per_host = ranks_per_host or max(1, (size or hosts) // hosts)

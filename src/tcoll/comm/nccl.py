@@ -10,9 +10,10 @@ through host staging as on a shared GPU, so every call still works.
 
 tcoll keeps the control plane:
 
-- **the fingerprint first**: before anything is queued, the ranks exchange
+- **the fingerprint first**: before anything is queued, the ranks compare
   the call's description (collective, op, dtype, count, root) in a small CPU
-  all_gather of tcoll's own; ranks that disagree, or whose NCCL failed
+  all_reduce of tcoll's own (gathering the descriptions only where they
+  differ, to name who); ranks that disagree, or whose NCCL failed
   earlier, raise MismatchError / PeerFailedError on every rank, and nothing
   reaches the GPU. A rank that never makes the call is named by tcoll's own
   hang report, as for any CPU call;
@@ -159,12 +160,24 @@ def describe(words: np.ndarray | list[int]) -> str:
 
 
 def agree(comm: Any, words: list[int], label: str) -> None:
-    """Exchange this call's description with every rank (CPU); raise on every rank where any differs.
+    """Compare this call's description with every rank's (CPU); raise on every rank where any differs.
+
+    One small all_reduce (max of each word and of its negation) says whether every rank agrees; only
+    then do the ranks gather the descriptions, to name who differs.
 
     Raises:
         PeerFailedError: some rank's NCCL communicator failed earlier (named).
         MismatchError: ranks describe different calls (the ranks that differ from rank 0 are named).
     """
+    folded = _folded.get(comm)
+    if folded is None:  # one buffer per communicator, so that its all_reduce goes whole in C from the second call
+        folded = _folded[comm] = np.empty(2 * _WORDS, dtype=np.int64)
+    folded[:_WORDS] = words
+    np.negative(folded[:_WORDS], out=folded[_WORDS:])
+    comm.all_reduce(folded, "max")  # every word's max and -min: equal everywhere when every rank agrees
+    if words[0] > 0 and np.array_equal(folded[:_WORDS], -folded[_WORDS:]):
+        return
+    # Some rank differs (or failed): every rank saw it in the same result, so every rank gathers the words.
     rows = comm.all_gather(np.array(words, dtype=np.int64))
     broken = [r for r in range(comm.size) if rows[r][0] in (_BROKEN, _ELSEWHERE)]
     if broken:
@@ -358,6 +371,7 @@ class _Watchdog:
 
 _watchdog = _Watchdog()
 _states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
+_folded: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()  # agree's buffer per communicator
 
 
 def run(comm: Any, p: _Plan, async_op: bool, torch: Any, stream: Any) -> Any:

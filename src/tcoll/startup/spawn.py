@@ -14,6 +14,7 @@ import os
 import pickle
 import secrets
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -46,7 +47,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, thre
         timeout: seconds the whole run may take (default: none); also the
             communicators' timeout (else TCOLL_TIMEOUT in the ranks, or 300).
         start_method: multiprocessing start method (default: forkserver where
-            available, with numpy and tcoll preloaded, else spawn).
+            available, with numpy and tcoll preloaded, and torch where this process
+            has imported it; else spawn).
         env: environment variables to set in each rank process.
         keep_going: when a rank fails (an exception, or its process dies), let the others run to their
             own end instead of stopping them (as `tcoll run --keep-going`): survivors that shrink()
@@ -229,7 +231,9 @@ def _context(start_method: str | None) -> Any:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     context = mp.get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["numpy", "tcoll"])
+        # torch too where this process uses it: its ranks then fork with it imported instead of each importing
+        # it (a second or more per rank). The server only imports it (no CUDA), so ranks may still use CUDA.
+        context.set_forkserver_preload(["numpy", "tcoll"] + (["torch"] if "torch" in sys.modules else []))
     return context
 
 
