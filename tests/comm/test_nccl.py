@@ -61,6 +61,7 @@ def test_plan_takes_what_nccl_has() -> None:
     ("all_reduce", {"x": torch.zeros(4, dtype=torch.bool)}),           # a dtype NCCL lacks
     ("all_reduce", {"algorithm": "ring"}),                             # a named algorithm is tcoll's
     ("reduce_scatter", {"x": torch.zeros(3)}),                         # not size equal parts
+    ("all_reduce", {"x": torch.zeros(4, 2).t()}),                      # strided: NCCL reads one span
     ("scan", {}),                                                       # not an NCCL call
 ])
 def test_plan_leaves_the_rest_to_staging(name: str, change: dict) -> None:

@@ -131,6 +131,12 @@ def every_call(comm: tcoll.Communicator, dtype: str) -> bool:
     x = _dev(inputs[r], dtype)
     comm.all_reduce(x, op="max")
     _same(x, np.max(inputs, axis=0), "all_reduce max")
+    memory = _dev(np.repeat(inputs[r], 2), dtype)
+    strided = memory[::2]  # every other element of its memory
+    assert not strided.is_contiguous()
+    comm.all_reduce(strided)
+    _same(strided, total, "all_reduce of a strided tensor")
+    _same(memory[1::2], inputs[r], "the elements between a strided tensor's")
     x = _dev(inputs[r], dtype)
     comm.reduce(x, root=p - 1)
     _same(x, total if r == p - 1 else inputs[r], "reduce")

@@ -124,7 +124,7 @@ def plan(name: str, args: dict[str, Any], torch: Any, size: int) -> _Plan | None
         return None
     x = args["x"]
     code = dtype_code(str(x.dtype).rsplit(".", 1)[-1])
-    if code is None:
+    if code is None or not x.is_contiguous():  # NCCL reads one span of memory: a strided buffer is staged
         return None
     floating = x.dtype.is_floating_point
     op = _op_code(args.get("op", "sum"), floating) if name in ("all_reduce", "reduce", "reduce_scatter") else 0

@@ -192,15 +192,14 @@ def _release_finished() -> None:
 
 
 def _as_tensor(torch: Any, obj: Any) -> tuple[Any, Any]:
-    """(a torch view of `obj`'s device memory, the caller's current stream for it)."""
+    """(a torch view of `obj`'s device memory, the caller's current stream for it).
+
+    The view may be strided: staging copies it to and from contiguous host memory either way (and the
+    NCCL path stages a strided buffer too), so no rank refuses one alone while the others wait.
+    """
     if isinstance(obj, torch.Tensor):
-        if not obj.is_contiguous():
-            raise ValueError(f"a CUDA buffer must be contiguous (got strides {tuple(obj.stride())}); "
-                             "pass x.contiguous()")
         return obj.detach(), torch.cuda.current_stream(obj.device)
     tensor = torch.as_tensor(obj, device="cuda")  # __cuda_array_interface__: the same memory
-    if not tensor.is_contiguous():
-        raise ValueError("a CUDA array must be contiguous")
     return tensor, _foreign_stream(torch, obj, tensor.device)
 
 
