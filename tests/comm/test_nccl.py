@@ -52,6 +52,13 @@ def test_plan_takes_what_nccl_has() -> None:
     assert tuple(gathered.result.shape) == (4, 3) and gathered.words[2] == 4
     part = nccl.plan("reduce_scatter", _args(torch.zeros(4, 2)), torch, 2)
     assert tuple(part.result.shape) == (2, 2) and part.words[5] == 4
+    for spelling in ("SUM", "Sum", tcoll.SUM):  # every spelling the CPU path takes is NCCL's sum too
+        assert nccl.plan("all_reduce", _args(x, op=spelling), torch, 2).words[1] == 0
+    out = torch.zeros(2, 3)
+    assert nccl.plan("all_gather", _args(torch.zeros(3), out=out), torch, 2).result is out
+
+
+_BASE = torch.zeros(6)
 
 
 @pytest.mark.parametrize("name, change", [
@@ -62,6 +69,10 @@ def test_plan_takes_what_nccl_has() -> None:
     ("all_reduce", {"algorithm": "ring"}),                             # a named algorithm is tcoll's
     ("reduce_scatter", {"x": torch.zeros(3)}),                         # not size equal parts
     ("all_reduce", {"x": torch.zeros(4, 2).t()}),                      # strided: NCCL reads one span
+    ("all_gather", {"out": torch.zeros(2, 3)}),                        # out of the wrong shape
+    ("all_to_all", {"x": torch.zeros(4, 3)}),                          # not one part per rank (the CPU's rule)
+    ("broadcast", {"root": 2}),                                        # a root out of range
+    ("reduce_scatter", {"x": _BASE[:4], "out": _BASE[3:5]}),           # out overlaps x
     ("scan", {}),                                                       # not an NCCL call
 ])
 def test_plan_leaves_the_rest_to_staging(name: str, change: dict) -> None:
@@ -162,8 +173,8 @@ def every_nccl_call(comm: tcoll.Communicator, dtype: str) -> list[str]:
         assert comm.all_gather(_dev(values, dtype), out=out) is out
         np.testing.assert_array_equal(_host(comm.reduce_scatter(_dev(values.reshape(3, 4), dtype))),
                                       values.reshape(3, 4))
-        np.testing.assert_array_equal(_host(comm.all_to_all(_dev(values.reshape(2, 6), dtype))),
-                                      values.reshape(2, 6))
+        np.testing.assert_array_equal(_host(comm.all_to_all(_dev(values.reshape(1, 12), dtype))),
+                                      values.reshape(1, 12))
         x = _dev(values, dtype)
         comm.scan(x)  # not an NCCL call: staged, beside the NCCL ones, on the same stream
         np.testing.assert_array_equal(_host(x), values)
@@ -287,3 +298,16 @@ def _agree_twice(comm: tcoll.Communicator) -> list[str]:
 def test_agreement_is_checked_afresh_at_every_call() -> None:
     for seen in tcoll.spawn(_agree_twice, 2, timeout=60):
         assert seen[:2] == ["agreed", "agreed"] and seen[2].startswith("MismatchError"), seen
+
+
+def _stage_or_not(comm: tcoll.Communicator, staged_ranks: list[int]) -> bool:
+    words = [nccl._STAGED, 0, 0, 0, 0, 0] if comm.rank in staged_ranks else [1, 0, 7, 8, 0, 8]
+    return nccl.agree(comm, words, "all_reduce")
+
+
+@pytest.mark.timeout(60)
+def test_a_call_one_rank_cannot_take_on_nccl_is_staged_by_every_rank() -> None:
+    """Where NCCL cannot take a call on one rank (a strided buffer, say), every rank stages it: one CPU call."""
+    assert tcoll.spawn(_stage_or_not, 3, ([1],), threads=True, timeout=60) == [False] * 3
+    assert tcoll.spawn(_stage_or_not, 3, ([0, 1, 2],), threads=True, timeout=60) == [False] * 3
+    assert tcoll.spawn(_stage_or_not, 3, ([],), threads=True, timeout=60) == [True] * 3

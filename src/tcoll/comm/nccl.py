@@ -25,15 +25,14 @@ tcoll keeps the control plane:
 - **the timeout**: a watchdog thread follows each queued call by an event; one
   not done within the communicator's timeout aborts the NCCL communicator
   (ncclCommAbort) and fails the call with tcoll.TimeoutError naming the call and
-  the rank; an asynchronous NCCL error aborts it too. The next call raises it
-  on every rank (through the fingerprint exchange);
+  the rank; an asynchronous NCCL error aborts it too (tcoll.comm.nccl_state).
+  The next call raises it on every rank (through the fingerprint exchange);
 - the calls appear in the timeline (TCOLL_TRACE), from their queueing to the
   moment the watchdog sees them done.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from typing import Any
@@ -41,13 +40,17 @@ from typing import Any
 import numpy as np
 
 from ..algos.select import NCCL_COLLECTIVES
-from ..errors import MismatchError, PeerFailedError, TcollError, TimeoutError
+from ..errors import MismatchError, PeerFailedError, TcollError
+from ..ops import OPS as BUILTIN_OPS
+from ..ops import as_op
 from .nccl_lib import OPS, Nccl, NcclError, dtype_code
+from .nccl_state import WATCHDOG, NcclState, NcclWork
 
 __all__ = ["NCCL_CALLS", "NcclWork", "choose_path", "describe", "run"]
 
 NCCL_CALLS = NCCL_COLLECTIVES  # (tcoll.algos.select: `tcoll explain --gpu` says the same)
 _KINDS = {name: i + 1 for i, name in enumerate(NCCL_CALLS)}
+_STAGED = 0  # a descriptor's kind when NCCL cannot take this rank's call: every rank stages it
 _BROKEN = -1  # a descriptor's kind when this rank's NCCL communicator failed earlier
 _ELSEWHERE = -2  # ... when the buffer is on another GPU than this rank's NCCL communicator
 _WORDS = 6  # kind, op, dtype, count, root, out count
@@ -107,10 +110,16 @@ class _Plan:
 
 
 def _op_code(op: Any, floating: bool) -> int | None:
-    """NCCL's code for a reduce op given by name, or None (user ops, bitwise, logical; avg of integers)."""
-    if not isinstance(op, str) or op not in OPS or (op == "avg" and not floating):
+    """NCCL's code for a built-in reduce op (any spelling tcoll takes: "sum", "SUM", tcoll.SUM), or None
+    (user ops, bitwise, logical; avg of integers)."""
+    try:
+        found = as_op(op)
+    except (TypeError, ValueError):
+        return None  # the staged call's own check names it
+    name = found.name
+    if BUILTIN_OPS.get(name) is not found or name not in OPS or (name == "avg" and not floating):
         return None
-    return OPS[op]
+    return OPS[name]
 
 
 def plan(name: str, args: dict[str, Any], torch: Any, size: int) -> _Plan | None:
@@ -131,25 +140,48 @@ def plan(name: str, args: dict[str, Any], torch: Any, size: int) -> _Plan | None
     if op is None:
         return None
     root = args.get("root", 0) if name in ("reduce", "broadcast") else 0
+    if not isinstance(root, int) or not 0 <= root < size:
+        return None  # staged: the CPU call's check raises, on every rank
     count = x.numel()
+    shape = _result_shape(name, tuple(x.shape), size)
+    if shape is None:
+        return None
     out = args.get("out")
-    if name == "all_gather":
-        result = out if out is not None else torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-    elif name in ("reduce_scatter", "all_to_all"):
-        if x.dim() == 0 or x.shape[0] % size:
-            return None  # staging's own check names the problem
-        shape = (x.shape[0] // size, *x.shape[1:]) if name == "reduce_scatter" else tuple(x.shape)
-        result = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-    else:
+    if shape == ():
         result = x
+    elif out is None:
+        result = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        result = out
+        if tuple(out.shape) != shape or _overlap(x, out):  # staged: the CPU call's checks decide
+            return None
     if result.dtype != x.dtype or result.device != x.device or not result.is_contiguous():
         return None
     return _Plan(name, [_KINDS[name], op, code, count, root, result.numel()], {"x": x, "out": result}, result)
 
 
+def _result_shape(name: str, shape: tuple[int, ...], size: int) -> tuple[int, ...] | None:
+    """The shape of the call's output as the CPU path makes it; () for in place; None: NCCL cannot take it."""
+    if name == "all_gather":
+        return (size, *shape)
+    if name == "reduce_scatter":
+        return (shape[0] // size, *shape[1:]) if shape and shape[0] % size == 0 else None
+    if name == "all_to_all":
+        return shape if shape and shape[0] == size else None  # the CPU's rule: one part per rank on axis 0
+    return ()
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two tensors share memory (NCCL's own in-place layouts are not worth the special cases)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def describe(words: np.ndarray | list[int]) -> str:
     """A descriptor as words a user reads."""
     kind, op, dtype, count, root, out = (int(w) for w in words)
+    if kind == _STAGED:
+        return "a call NCCL does not take (staged)"
     if kind == _BROKEN:
         return "its NCCL communicator failed earlier"
     if kind == _ELSEWHERE:
@@ -159,11 +191,16 @@ def describe(words: np.ndarray | list[int]) -> str:
     return f"{name}(count={count}, nccl dtype {dtype}, op {ops.get(op, op)}, root {root}, out {out})"
 
 
-def agree(comm: Any, words: list[int], label: str) -> None:
+def agree(comm: Any, words: list[int], label: str) -> bool:
     """Compare this call's description with every rank's (CPU); raise on every rank where any differs.
 
     One small all_reduce (max of each word and of its negation) says whether every rank agrees; only
-    then do the ranks gather the descriptions, to name who differs.
+    where they do not do the ranks gather the descriptions, to name who differs. A rank that stages this
+    call (kind _STAGED: NCCL does not have its op, dtype, layout or arguments there) makes every rank
+    stage it, so that all of them make the same CPU call.
+
+    Returns:
+        True: queue it on NCCL; False: every rank stages it.
 
     Raises:
         PeerFailedError: some rank's NCCL communicator failed earlier (named).
@@ -175,14 +212,16 @@ def agree(comm: Any, words: list[int], label: str) -> None:
     folded[:_WORDS] = words
     np.negative(folded[:_WORDS], out=folded[_WORDS:])
     comm.all_reduce(folded, "max")  # every word's max and -min: equal everywhere when every rank agrees
-    if words[0] > 0 and np.array_equal(folded[:_WORDS], -folded[_WORDS:]):
-        return
+    if words[0] >= _STAGED and np.array_equal(folded[:_WORDS], -folded[_WORDS:]):
+        return words[0] != _STAGED
     # Some rank differs (or failed): every rank saw it in the same result, so every rank gathers the words.
     rows = comm.all_gather(np.array(words, dtype=np.int64))
     broken = [r for r in range(comm.size) if rows[r][0] in (_BROKEN, _ELSEWHERE)]
     if broken:
         raise PeerFailedError(f"{label} on NCCL: " + "; ".join(f"rank {r}: {describe(rows[r])}" for r in broken),
                               rank=broken[0])
+    if any(row[0] == _STAGED for row in rows):
+        return False  # its CPU call compares what each rank passed, and names who differs
     differ = [r for r in range(comm.size) if not np.array_equal(rows[r], rows[0])]
     if differ:
         raise MismatchError(f"{label} on CUDA buffers (NCCL): rank 0 calls {describe(rows[0])}, but " +
@@ -219,204 +258,70 @@ def _queue(lib: Any, handle: int, p: _Plan, stream: int, size: int) -> None:
     Nccl.load().check(result, f"nccl {name}", handle)
 
 
-# -- the NCCL communicator of a tcoll communicator, and the watchdog ----------------------------------
-
-
-class _State:
-    """One tcoll communicator's NCCL communicator: its handle, device, and the error that ended it."""
-
-    def __init__(self, comm: Any, torch: Any, device: Any, timeout: float) -> None:
-        lib = Nccl.load()
-        uid = comm.broadcast_object(lib.unique_id() if comm.rank == 0 else None, 0)
-        with torch.cuda.device(device):
-            self.handle = lib.init_rank(comm.size, uid, comm.rank)
-        self.device, self.timeout, self.rank = device, timeout, comm.rank
-        self.error: TcollError | None = None
-        self._lock = threading.Lock()
-        self._aborted = False
-        weakref.finalize(comm, self.abort)  # at the communicator's end: nothing may wait on it then
-
-    def fail(self, error: TcollError) -> None:
-        """Abort the NCCL communicator (its queued calls end) and keep `error` for the calls to come."""
-        if self.error is None:
-            self.error = error
-            self.abort()
-
-    def async_error(self) -> tuple[int, str]:
-        """NCCL's error state of the communicator and its text; (0, "") once aborted (its handle is gone)."""
-        with self._lock:  # an abort (the finalizer's, another thread's) never frees the handle under this call
-            if self._aborted:
-                return 0, ""
-            try:
-                code = Nccl.load().async_error(self.handle)
-            except NcclError as exc:
-                return -1, str(exc)
-            return code, Nccl.load().error_text(code)
-
-    def abort(self) -> None:
-        """ncclCommAbort, once (a second would free the communicator twice)."""
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = True
-        try:
-            Nccl.load().lib.ncclCommAbort(self.handle)
-        except (NcclError, OSError):  # pragma: no cover - the library went away at exit
-            pass
-
-
-class NcclWork:
-    """A queued NCCL call: done when the device has run it (an event after it on the caller's stream)."""
-
-    def __init__(self, state: _State, event: Any, label: str, result: Any) -> None:
-        self._state, self._event, self.label, self.value = state, event, label, result
-        self._deadline = time.monotonic() + state.timeout
-        self._callbacks: list[Any] = []
-        self._finished = False
-        self.error: TcollError | None = None
-
-    def done(self) -> bool:
-        """Whether the device has run the call (or it failed)."""
-        return self._finished or self.error is not None or self._state.error is not None or self._event.query()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait on the host until the device has run the call; return its result.
-
-        Raises:
-            TimeoutError: not done within `timeout` (the call goes on; the watchdog's own timeout aborts).
-            TcollError: the watchdog failed it (timeout, NCCL error).
-        """
-        end = None if timeout is None else time.monotonic() + timeout
-        pause = 2e-5
-        while not self.done():
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError(f"{self.label}: not done on the GPU within {timeout} s (rank {self._state.rank})")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        error = self.error or self._state.error
-        if error is not None and not self._finished:
-            raise error
-        return self.value
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self.wait(timeout)
-
-    def exception(self) -> BaseException | None:
-        return self.error
-
-    def add_done_callback(self, fn: Any) -> None:
-        """Call `fn(self)` once the watchdog sees the call done (the timeline's end of the call)."""
-        self._callbacks.append(fn)
-
-    def _check(self, now: float) -> bool:
-        """The watchdog's look: True once the call is over (done, or failed here)."""
-        if self._event.query():
-            self._finished = True
-        elif self._state.error is not None:
-            self.error = self._state.error
-        elif now > self._deadline:
-            self.error = TimeoutError(f"{self.label} on NCCL did not finish on rank {self._state.rank}'s GPU "
-                                      f"within {self._state.timeout:g} s; tcoll aborted the NCCL communicator "
-                                      "(every rank passed the call's check: look at the GPUs and their links)")
-            self._state.fail(self.error)
-        else:
-            return False
-        for fn in self._callbacks:
-            fn(self)
-        return True
-
-
-class _Watchdog:
-    """One daemon thread per process that follows every queued NCCL call (see NcclWork._check)."""
-
-    def __init__(self) -> None:
-        self._works: list[NcclWork] = []
-        self._lock = threading.Lock()
-        self._busy = threading.Event()  # set while calls are followed: an idle watchdog sleeps on it
-        self._thread: threading.Thread | None = None
-
-    def follow(self, work: NcclWork) -> None:
-        with self._lock:
-            self._works.append(work)
-            self._busy.set()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tcoll-nccl-watchdog", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._busy.wait()
-            time.sleep(0.01)
-            now = time.monotonic()
-            with self._lock:
-                works = list(self._works)
-            over = [w for w in works if w._check(now)]
-            states = {id(w._state): w._state for w in works if w not in over}
-            for state in states.values():
-                self._look_for_errors(state)
-            if over:
-                with self._lock:
-                    self._works = [w for w in self._works if w not in over]
-                    if not self._works:
-                        self._busy.clear()
-
-    @staticmethod
-    def _look_for_errors(state: _State) -> None:
-        """Fail a communicator whose NCCL reports an asynchronous error (a peer gone, a network failure)."""
-        code, text = state.async_error()
-        if code not in (0, 7):  # ncclSuccess, ncclInProgress
-            state.fail(TcollError(f"NCCL reported an error on rank {state.rank}: {text}; tcoll aborted its "
-                                  "NCCL communicator"))
-
-
-_watchdog = _Watchdog()
-_states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary[Any, NcclState] = weakref.WeakKeyDictionary()
 _folded: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()  # agree's buffer per communicator
 
 
-def run(comm: Any, p: _Plan, async_op: bool, torch: Any, stream: Any) -> Any:
-    """Check the call with every rank, then queue it on NCCL.
+def run(comm: Any, name: str, p: _Plan | None, async_op: bool, torch: Any, stream: Any) -> Any:
+    """Check the call with every rank, then queue it on NCCL (or tell the caller to stage it).
 
     Args:
         comm: the tcoll communicator, whose path is "nccl".
-        p: the call's plan (`plan`).
+        name: the Communicator method.
+        p: the call's plan (`plan`), or None where NCCL cannot take it on this rank.
         async_op: return a NcclWork rather than the result.
         torch: the torch module.
         stream: the caller's current stream (a torch stream) for the first buffer.
 
     Returns:
-        The call's result (its buffer or a new tensor), or a NcclWork with async_op.
+        The call's result (its buffer or a new tensor), a NcclWork with async_op, or STAGE: every rank
+        stages this call.
 
     Raises:
         MismatchError, PeerFailedError: the ranks' calls differ, or another rank's NCCL failed before.
         TimeoutError, TcollError: this rank's NCCL failed before (a call that timed out, an NCCL error).
     """
-    name = p.name
     state = _states.get(comm)
-    device = p.tensors["x"].device
-    mine = p.words
+    mine = p.words if p is not None else [_STAGED, 0, 0, 0, 0, 0]
     if state is not None and state.error is not None:
         mine = [_BROKEN, 0, 0, 0, 0, 0]
-    elif state is not None and state.device != device:
+    elif state is not None and p is not None and state.device != p.tensors["x"].device:
         mine = [_ELSEWHERE, 0, 0, 0, 0, 0]
     try:
-        agree(comm, mine, name)
+        on_nccl = agree(comm, mine, name)
     except PeerFailedError:
         if state is not None and state.error is not None:  # this rank's own failure: its own words
             raise state.error from None
         raise
+    if not on_nccl or p is None:
+        return STAGE
     if state is None:
-        state = _states[comm] = _State(comm, torch, p.tensors["x"].device, comm.core.engine.settings.timeout)
+        state = _states[comm] = NcclState(comm, torch, p.tensors["x"].device, comm.core.engine.settings.timeout)
     began = _now_us()
-    _queue(Nccl.load().lib, state.handle, p, stream.cuda_stream, comm.size)
     event = torch.cuda.Event()
-    event.record(stream)
-    work = NcclWork(state, event, f"{name} (rank {comm.rank})", p.result)
+    with state.lock:  # an abort (the watchdog's, on an earlier call) never frees the handle under the queueing
+        if state.aborted:
+            raise state.error or TcollError(f"{name}: this communicator's NCCL was aborted")
+        try:
+            _queue(Nccl.load().lib, state.handle, p, stream.cuda_stream, comm.size)
+        except NcclError as exc:  # the peers' part may be queued: fail the communicator, so they hear of it
+            state.error = TcollError(f"{name} on NCCL failed on rank {comm.rank}: {exc}")
+            failed = state.error
+        else:
+            failed = None
+        event.record(stream)
+    if failed is not None:
+        state.abort()
+        raise failed
+    work = NcclWork(comm, state, event, f"{name} (rank {comm.rank})", p.result)
     timeline = getattr(comm.core.engine, "timeline", None)
     if timeline is not None:
         timeline.call(f"nccl {name}", began, work, {"count": p.words[3], "path": "nccl"})
-    _watchdog.follow(work)
+    WATCHDOG.follow(work)
     return work if async_op else p.result
+
+
+STAGE = object()  # run's answer: stage this call (every rank does)
 
 
 def _now_us() -> float:

@@ -199,7 +199,7 @@ def _as_tensor(torch: Any, obj: Any) -> tuple[Any, Any]:
     """
     if isinstance(obj, torch.Tensor):
         return obj.detach(), torch.cuda.current_stream(obj.device)
-    tensor = torch.as_tensor(obj, device="cuda")  # __cuda_array_interface__: the same memory
+    tensor = torch.as_tensor(obj)  # __cuda_array_interface__: the same memory, on the array's own GPU
     return tensor, _foreign_stream(torch, obj, tensor.device)
 
 
@@ -330,14 +330,18 @@ def _on_nccl(comm: Any, name: str, bound: inspect.BoundArguments, torch: Any) ->
     args = dict(bound.arguments)
     args.update({n: tensor for n, (tensor, _) in views.items()})
     path = _paths.get(comm)
-    p = nccl.plan(name, args, torch, comm.size) if path != "staging" else None
-    if p is None:
-        return _ABSENT
-    if path is None:
+    if path is None:  # every rank decides here, at its first CUDA collective NCCL has, whatever its arguments
         path = _paths[comm] = nccl.choose_path(comm, torch, views["x"][0].device, setting)
-        if path != "nccl":
-            return _ABSENT
-    result = nccl.run(comm, p, args.get("async_op", False), torch, views["x"][1])
+    if path != "nccl":
+        return _ABSENT
+    stream = views["x"][1]
+    with torch.cuda.stream(stream):  # a new output is the stream's memory (CuPy's stream for a CuPy array)
+        p = nccl.plan(name, args, torch, comm.size)
+    # Every rank on the NCCL path agrees on each such call, those that cannot take it on NCCL too: then all
+    # of them stage it, or none does.
+    result = nccl.run(comm, name, p, args.get("async_op", False), torch, stream)
+    if result is nccl.STAGE:
+        return _ABSENT
     work = result if isinstance(result, nccl.NcclWork) else None
     if work is not None:
         result = work.value

@@ -26,9 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import TcollError
+
 __all__ = ["HostPool", "pool_of", "MIN_BYTES"]
 
 MIN_BYTES = 64 << 10  # smaller buffers: torch's pinned memory (its caching allocator keeps them too)
+_PORTABLE = 1  # cudaHostRegisterPortable
 MAX_BUFFERS = 16  # per communicator; beyond, torch's pinned memory serves (a call holding many at once)
 
 
@@ -58,6 +61,7 @@ class HostPool:
         self._torch = torch
         self._buffers: list[_Buffer] = []
         self._retired: list[_Buffer] = []
+        self._unpinnable = False
         self._lock = threading.Lock()  # calls of one communicator may run on several threads
         self._registered: list[int] = []
         weakref.finalize(self, _unregister, torch, self._registered)
@@ -99,17 +103,21 @@ class HostPool:
     def _grow(self, nbytes: int) -> _Buffer | None:
         """A new registered buffer of at least `nbytes` (a power of two), or None where none can be made."""
         comm = self._comm()
-        if comm is None or len(self._buffers) + len(self._retired) >= MAX_BUFFERS:
+        if comm is None or self._unpinnable or len(self._buffers) + len(self._retired) >= MAX_BUFFERS:
             return None
         capacity = 1 << (nbytes - 1).bit_length()
-        array = comm.empty(capacity, np.uint8)
-        address = array.__array_interface__["data"][0]
         try:
-            registered = int(self._torch.cuda.cudart().cudaHostRegister(address, capacity, 0)) == 0
+            array = comm.empty(capacity, np.uint8)
+        except TcollError:  # /dev/shm full, say: torch's pinned memory serves, and nothing fails on one rank
+            return None
+        address = array.__array_interface__["data"][0]
+        try:  # portable: pinned for every GPU's context, whichever device the calls use
+            registered = int(self._torch.cuda.cudart().cudaHostRegister(address, capacity, _PORTABLE)) == 0
         except (AttributeError, RuntimeError):  # a torch without the binding
             registered = False
         if not registered:
-            return None  # not pinnable here (a locked-memory limit, say): torch's pinned memory serves
+            self._unpinnable = True  # a locked-memory limit, say: not tried again
+            return None
         self._registered.append(address)
         buffer = _Buffer(array, self._torch.from_numpy(array))
         self._buffers.append(buffer)
