@@ -30,6 +30,7 @@ import collections
 import functools
 import inspect
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -183,12 +184,14 @@ class Stage:
 
 
 _in_flight: collections.deque[tuple[Any, list[Any]]] = collections.deque()  # (event, host copies it guards)
+_in_flight_lock = threading.Lock()
 
 
 def _release_finished() -> None:
     """Let go of the host copies whose copy back has run (oldest first; stops at the first still running)."""
-    while _in_flight and _in_flight[0][0].query():
-        _in_flight.popleft()
+    with _in_flight_lock:  # calls on several threads release at once
+        while _in_flight and _in_flight[0][0].query():
+            _in_flight.popleft()
 
 
 def _as_tensor(torch: Any, obj: Any) -> tuple[Any, Any]:
@@ -335,8 +338,11 @@ def _on_nccl(comm: Any, name: str, bound: inspect.BoundArguments, torch: Any) ->
     if path != "nccl":
         return _ABSENT
     stream = views["x"][1]
-    with torch.cuda.stream(stream):  # a new output is the stream's memory (CuPy's stream for a CuPy array)
-        p = nccl.plan(name, args, torch, comm.size)
+    try:
+        with torch.cuda.stream(stream):  # a new output is the stream's memory (CuPy's stream for a CuPy array)
+            p = nccl.plan(name, args, torch, comm.size)
+    except RuntimeError:  # the output's allocation failed here: every rank stages the call, none waits on this one
+        p = None
     # Every rank on the NCCL path agrees on each such call, those that cannot take it on NCCL too: then all
     # of them stage it, or none does.
     result = nccl.run(comm, name, p, args.get("async_op", False), torch, stream)
