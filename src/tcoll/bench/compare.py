@@ -214,24 +214,23 @@ def _launch(target: str, commands: list[tuple[list[str], dict[str, str]]], plan:
 
 def run_gloo(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Sweep the plan with torch.distributed (gloo, CPU tensors) on n subprocesses."""
-    port = _free_port()
-    commands = []
-    for rank in range(n):
-        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
-                   LOCAL_RANK=str(rank))
-        commands.append(([sys.executable, "-m", "tcoll.bench.gloo_worker"], env))
-    return _launch("gloo", commands, plan, timeout)
+    return _run_torch("gloo", n, plan, timeout)
 
 
 def run_nccl(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Sweep the plan with torch.distributed (NCCL, CUDA tensors, a GPU per rank) on n subprocesses."""
+    return _run_torch("nccl", n, plan, timeout)
+
+
+def _run_torch(backend: str, n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Sweep the plan with `tcoll.bench.<backend>_worker` on n subprocesses that meet as torchrun's would."""
     port = _free_port()
     commands = []
     for rank in range(n):
         env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
                    LOCAL_RANK=str(rank))
-        commands.append(([sys.executable, "-m", "tcoll.bench.nccl_worker"], env))
-    return _launch("nccl", commands, plan, timeout)
+        commands.append(([sys.executable, "-m", f"tcoll.bench.{backend}_worker"], env))
+    return _launch(backend, commands, plan, timeout)
 
 
 def run_deepspeed(n: int, plan: dict[str, Any], timeout: float) -> dict[str, Any]:

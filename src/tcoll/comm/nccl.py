@@ -33,7 +33,6 @@ tcoll keeps the control plane:
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any
 
@@ -43,6 +42,7 @@ from ..algos.select import NCCL_COLLECTIVES
 from ..errors import MismatchError, PeerFailedError, TcollError
 from ..ops import OPS as BUILTIN_OPS
 from ..ops import as_op
+from ..p2p.timeline import now_us
 from .nccl_lib import OPS, Nccl, NcclError, dtype_code
 from .nccl_state import WATCHDOG, NcclState, NcclWork
 
@@ -297,7 +297,7 @@ def run(comm: Any, name: str, p: _Plan | None, async_op: bool, torch: Any, strea
         return STAGE
     if state is None:
         state = _states[comm] = NcclState(comm, torch, p.tensors["x"].device, comm.core.engine.settings.timeout)
-    began = _now_us()
+    began = now_us()
     event = torch.cuda.Event()
     with state.lock:  # an abort (the watchdog's, on an earlier call) never frees the handle under the queueing
         if state.aborted:
@@ -322,7 +322,3 @@ def run(comm: Any, name: str, p: _Plan | None, async_op: bool, torch: Any, strea
 
 
 STAGE = object()  # run's answer: stage this call (every rank does)
-
-
-def _now_us() -> float:
-    return time.time_ns() / 1000.0
