@@ -375,3 +375,29 @@ def test_other_hosts_rows_count_while_the_launcher_that_kept_them_lives(tmp_path
                                                    "states": [_state(1)]})
         assert [s["rank"] for s in job_states("j", str(tmp_path))] == expected
         assert job_states("j", str(tmp_path), others=False) == []
+
+
+def test_a_threads_stack_is_copied_so_it_can_be_read_after_the_thread_ran_on() -> None:
+    """status.thread_frames copies each stack at once: read later, after its thread went on and ended, it
+    still says where the thread was, and it holds none of the thread's frames."""
+    import threading
+
+    from tcoll.p2p import status
+
+    entered, go = threading.Event(), threading.Event()
+
+    def parked() -> None:
+        entered.set()
+        go.wait()
+
+    thread = threading.Thread(target=parked)
+    thread.start()
+    entered.wait()
+    copied = status.thread_frames()[thread.ident]
+    go.set()
+    thread.join()
+    assert isinstance(copied, status.FrameSnapshot)
+    user = status.user_frame(copied)
+    assert user.f_code.co_name == "parked" and status.source_line(user) == "go.wait()"
+    assert status.stack_top(copied)[0].endswith("in wait") and not status.in_tcoll(copied)
+    assert status.frames_of(copied)[-1]["name"] == "_bootstrap"

@@ -145,6 +145,8 @@ class _Frames:
 
     A tick when threads started or ended since the last look gets none: a thread being made or unmade
     is where CPython 3.11's look at other threads' frames has crashed (seen once, with 16 thread ranks).
+    What it keeps are copies (status.thread_frames), never the frames themselves: a tick reads them across
+    the writes of every rank's file, while the threads run on (a crash seen once in a full test run).
     """
 
     def __init__(self, reporter: _Reporter) -> None:

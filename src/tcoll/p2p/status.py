@@ -220,6 +220,54 @@ def read_job(directory: str) -> list[dict[str, Any]]:
     return [states[rank] for rank in sorted(states)]
 
 
-def thread_frames() -> dict[int, FrameType]:
-    """Every thread's current frame, by thread id."""
-    return sys._current_frames()
+class _Code:
+    """What a frame snapshot keeps of its code: its file and function names."""
+
+    __slots__ = ("co_filename", "co_name")
+
+    def __init__(self, filename: str, name: str) -> None:
+        self.co_filename, self.co_name = filename, name
+
+
+class FrameSnapshot:
+    """A frame's file, function and line, copied: read like a frame (f_code, f_lineno, f_back), but inert.
+
+    CPython 3.11 can crash when one thread walks another's frame objects after that thread ran on (its
+    frames popped and their memory reused: cpython#111363). A snapshot is copied at once and never points
+    into another thread's stack, so it may be read at leisure, across I/O and GIL switches.
+    """
+
+    __slots__ = ("f_code", "f_lineno", "f_back")
+
+    def __init__(self, code: _Code, lineno: int, back: FrameSnapshot | None) -> None:
+        self.f_code, self.f_lineno, self.f_back = code, lineno, back
+
+
+def snapshot(frame: FrameType | None, depth: int = 128) -> FrameSnapshot | None:
+    """Copies of the innermost `depth` frames of the stack that ends in `frame` (None for None)."""
+    copied = []
+    while frame is not None and len(copied) < depth:
+        code = frame.f_code
+        copied.append((code.co_filename, code.co_name, frame.f_lineno or 0))
+        frame = frame.f_back
+    back = None
+    for filename, name, lineno in reversed(copied):
+        back = FrameSnapshot(_Code(filename, name), lineno, back)
+    return back
+
+
+def thread_frames() -> dict[int, FrameSnapshot | None]:
+    """Every thread's current stack, by thread id, as snapshots copied in one stretch.
+
+    The interpreter's switch interval is raised while they are copied, so that no other thread runs (and
+    pops the frames being read) in the middle; nothing in the copy blocks.
+    """
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(max(interval, 1.0))
+    try:
+        frames = sys._current_frames()
+        copied = {ident: snapshot(frame) for ident, frame in frames.items()}
+        del frames
+    finally:
+        sys.setswitchinterval(interval)
+    return copied
