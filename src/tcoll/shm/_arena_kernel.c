@@ -430,6 +430,136 @@ static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ss
     return PyLong_FromLong(state);
 }
 
+/* The block collectives' one step (tcoll.shm.blocks: an all_gather, gather, all_to_all or reduce_scatter whose
+ * blocks fit one step and that lends nothing), laid out in the slots exactly as their Python steps lay it, so
+ * that a rank in C and a rank in Python pair: claim, describe, copy this rank's blocks in, publish; once every
+ * rank has and every descriptor names this call, copy (or reduce) this rank's result out of the slots. An
+ * all_gather's or gather's block lies at the head of its slot; an all_to_all's or reduce_scatter's block for
+ * rank q at q * share (share: the slot's bytes / size, in whole items for a reduce_scatter). What the Python
+ * steps copy before the algorithm (a gather root's and an all_to_all's own block) is copied here too, so
+ * that an express call (express.h) needs nothing else. */
+enum { BLOCKS_ALL_GATHER = 0, BLOCKS_GATHER = 1, BLOCKS_ALL_TO_ALL = 2, BLOCKS_REDUCE_SCATTER = 3, BLOCKS_KINDS = 4 };
+
+typedef struct {
+    int kind, root;
+    Py_ssize_t block;  /* bytes of each rank's block */
+    Py_ssize_t share;  /* where block q lies in a slot (all_to_all, reduce_scatter): q * share */
+    uint8_t *out;      /* this rank's result (NULL: none, a gather's other ranks) */
+} Blocks;
+
+/* The share of a slot per rank for `kind` (in whole items of `dtype` for a reduce_scatter: tcoll.shm.blocks._share). */
+static Py_ssize_t blocks_share(const Kernel *k, int kind, int dtype) {
+    Py_ssize_t item = kind == BLOCKS_REDUCE_SCATTER ? ITEMSIZE[dtype] : 1;
+    return k->slot_bytes / k->size / item * item;
+}
+
+/* Whether buffers of `send_len` and `out_len` bytes (-1: no output) fit `kind`'s one step on this kernel. */
+static int blocks_fit(const Kernel *k, const Blocks *b, int dtype, Py_ssize_t send_len, Py_ssize_t out_len) {
+    Py_ssize_t p = k->size, n = b->block;
+    int gathers = b->kind == BLOCKS_ALL_GATHER || b->kind == BLOCKS_GATHER;
+    int wants_out = b->kind != BLOCKS_GATHER || k->rank == b->root;
+    Py_ssize_t expect_out = b->kind == BLOCKS_REDUCE_SCATTER ? n : p * n;
+    if (n < 0 || b->root < 0 || b->root >= p || (wants_out && out_len != expect_out) || (!wants_out && out_len > 0))
+        return 0;
+    if (gathers)
+        return send_len == n && n <= k->slot_bytes;
+    return send_len == p * n && n <= b->share && (b->kind != BLOCKS_REDUCE_SCATTER || n % ITEMSIZE[dtype] == 0);
+}
+
+/* Describe the call and copy this rank's blocks into its slot of `step` (the layout above); publish, ring. */
+static void publish_blocks(Kernel *k, const RunArgs *a, const Blocks *b) {
+    uint64_t *desc = k->desc + ((Py_ssize_t)(a->step % SETS) * k->size + k->rank) * DESC_WORDS;
+    desc[0] = a->stamp_low;
+    desc[1] = a->stamp_high;
+    desc[2] = a->sequence;
+    desc[3] = 0;  /* nothing lent: small calls always copy */
+    uint8_t *slot = slot_of(k, k->rank, a->step);
+    const uint8_t *send = a->view.buf;
+    if (b->kind == BLOCKS_ALL_GATHER || (b->kind == BLOCKS_GATHER && k->rank != b->root))
+        tc_copy(slot, send, (size_t)b->block);
+    else if (b->kind == BLOCKS_ALL_TO_ALL || b->kind == BLOCKS_REDUCE_SCATTER)
+        for (int q = 0; q < k->size; q++)
+            if (q != k->rank || b->kind == BLOCKS_REDUCE_SCATTER)
+                tc_copy(slot + q * b->share, send + q * b->block, (size_t)b->block);
+    publish_counter(k, a->step + 1);
+}
+
+/* This rank's result of the step, out of every rank's slot (all have published and agree). 0: the reduction's
+ * dtype or op is not the kernel's (nothing written). */
+static int blocks_out(const Kernel *k, const RunArgs *a, const Blocks *b) {
+    Py_ssize_t n = b->block, at = k->rank * b->share;
+    const uint8_t *send = a->view.buf;
+    if (b->kind == BLOCKS_REDUCE_SCATTER) {
+        const uint8_t *ins[MAX_KERNEL_RANKS];
+        for (int q = 0; q < k->size; q++) ins[q] = slot_of(k, q, a->step) + at;
+        uint8_t *outs[1] = {b->out};
+        return reduce_parts(a->dtype, a->op, ins, k->size, outs, 1, n / ITEMSIZE[a->dtype]);
+    }
+    if (b->out == NULL) return 1;  /* a gather's other ranks */
+    for (int q = 0; q < k->size; q++) {
+        const uint8_t *from = b->kind == BLOCKS_ALL_TO_ALL ? (q == k->rank ? send + q * n : slot_of(k, q, a->step) + at)
+                              : q == k->rank && b->kind == BLOCKS_GATHER ? send : slot_of(k, q, a->step);
+        tc_copy(b->out + q * n, from, (size_t)n);
+    }
+    return 1;
+}
+
+/* The step of `b` on an acquired send buffer: how far it got (NOT_STARTED, PUBLISHED or DONE). */
+static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
+    if (self->size > MAX_KERNEL_RANKS || (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield)))
+        return NOT_STARTED;
+    publish_blocks(self, a, b);
+    if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step) || !blocks_out(self, a, b))
+        return PUBLISHED;
+    return DONE;
+}
+
+/* run_blocks(send, out, kind, block, root, dtype, op, step, stamp, sequence, spin_ns, yield): step_blocks, `out`
+ * None where this rank gets nothing (a gather's other ranks); dtype and op: a reduce_scatter's codes. */
+static PyObject *Kernel_run_blocks(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError,
+                        "run_blocks(send, out, kind, block, root, dtype, op, step, stamp, sequence, spin_ns, yield)");
+        return NULL;
+    }
+    RunArgs a;
+    Blocks b;
+    memset(&a, 0, sizeof(a));
+    b.kind = (int)PyLong_AsLong(args[2]);
+    b.block = PyLong_AsSsize_t(args[3]);
+    b.root = (int)PyLong_AsLong(args[4]);
+    a.dtype = (int)PyLong_AsLong(args[5]);
+    a.op = (int)PyLong_AsLong(args[6]);
+    a.step = PyLong_AsUnsignedLongLong(args[7]);
+    if (PyErr_Occurred() || stamp_words(args[8], &a.stamp_low, &a.stamp_high) < 0) return NULL;
+    a.sequence = PyLong_AsUnsignedLongLong(args[9]);
+    a.spin_ns = PyLong_AsUnsignedLongLong(args[10]);
+    a.yield = PyObject_IsTrue(args[11]);
+    if (PyErr_Occurred()) return NULL;
+    if (self->held < 0 || b.kind < 0 || b.kind >= BLOCKS_KINDS || a.dtype < 0 || a.dtype >= NDTYPES || a.op < 0 ||
+        a.op >= NOPS) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, or an unknown kind, dtype or op code");
+        return NULL;
+    }
+    b.share = blocks_share(self, b.kind, a.dtype);
+    Py_buffer out;
+    int has_out = args[1] != Py_None;
+    if (PyObject_GetBuffer(args[0], &a.view, PyBUF_SIMPLE) < 0) return NULL;
+    if (has_out && PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE) < 0) { PyBuffer_Release(&a.view); return NULL; }
+    b.out = has_out ? out.buf : NULL;
+    long state = -1;
+    if (blocks_fit(self, &b, a.dtype, a.view.len, has_out ? out.len : -1)) {
+        self->busy++;
+        state = step_blocks(self, &a, &b);
+        step_over(self);
+    } else {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: the blocks do not fit one step, or the output does not fit them");
+    }
+    if (has_out) PyBuffer_Release(&out);
+    PyBuffer_Release(&a.view);
+    return state < 0 ? NULL : PyLong_FromLong(state);
+}
+
 /* retire(): the arena closes; express calls made for it step on it no more, and the mapping and doorbells
  * are let go now, or when the last step under way (another thread's) ends: an Express or a Plan that
  * outlives the communicator keeps this object, not the memory. */
@@ -577,6 +707,8 @@ static PyMethodDef Kernel_methods[] = {
      "A broadcast's one step (see step_broadcast)."},
     {"run_split", (PyCFunction)(void (*)(void))Kernel_run_split, METH_FASTCALL,
      "A call that fits a slot, in three steps (see the source)."},
+    {"run_blocks", (PyCFunction)(void (*)(void))Kernel_run_blocks, METH_FASTCALL,
+     "An all_gather's, gather's, all_to_all's or reduce_scatter's one step (see step_blocks)."},
     {"retire", (PyCFunction)Kernel_retire, METH_NOARGS, "The arena closes: express calls no longer use it."},
     {NULL, NULL, 0, NULL},
 };
@@ -653,6 +785,10 @@ PyMODINIT_FUNC PyInit__arena_kernel(void) {
     PyModule_AddIntConstant(m, "PUBLISHED", PUBLISHED);
     PyModule_AddIntConstant(m, "DONE", DONE);
     PyModule_AddIntConstant(m, "REDUCED", REDUCED);
+    PyModule_AddIntConstant(m, "BLOCKS_ALL_GATHER", BLOCKS_ALL_GATHER);
+    PyModule_AddIntConstant(m, "BLOCKS_GATHER", BLOCKS_GATHER);
+    PyModule_AddIntConstant(m, "BLOCKS_ALL_TO_ALL", BLOCKS_ALL_TO_ALL);
+    PyModule_AddIntConstant(m, "BLOCKS_REDUCE_SCATTER", BLOCKS_REDUCE_SCATTER);
     double forward_ns = 0.0, backward_ns = 0.0;
 #if defined(__x86_64__)
     tc_copy_calibrate(&forward_ns, &backward_ns);

@@ -263,6 +263,18 @@ class Arena:
         """
         return self._kernel_step("run_broadcast", (buf, root), ())
 
+    def run_blocks(self, send: np.ndarray, out: np.ndarray | None, kind: int, block: int, root: int = 0,
+                   dtype: int = 0, op: int = 0) -> int:
+        """An all_gather's, gather's, all_to_all's or reduce_scatter's one step in the kernel (`kind`: its
+        BLOCKS_* code; `block`: bytes per rank; dtype and op: a reduce_scatter's codes), laid out as
+        tcoll.shm.blocks lays it.
+
+        Returns:
+            kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the copies (or the
+            reduction) out of the slots are the caller's; NOT_STARTED.
+        """
+        return self._kernel_step("run_blocks", (send, out, kind, block, root, dtype, op), ())
+
     def _kernel_step(self, method: str, head: tuple[Any, ...], tail: tuple[Any, ...],
                      taken: dict[int, int] | None = None) -> int:
         """Run the kernel's `method` (head, the step and the call, tail) from this step, or take the state an

@@ -15,9 +15,14 @@ import numpy as np
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import displacements
-from ..ops import Op
-from .arena import Arena
-from .bridge import combine_all, copy_bytes
+from ..ops import OPS, Op
+from .arena import ZERO_COPY_BYTES, Arena
+from .bridge import combine_all, copy_bytes, kernel_codes
+from .kernel_abi import kernel_module
+
+# How far the kernel's one step of a call got (Arena.run_blocks); without the kernel, never started.
+NOT_STARTED, PUBLISHED, DONE = ((kernel_module.NOT_STARTED, kernel_module.PUBLISHED, kernel_module.DONE)
+                                if kernel_module is not None else (0, 1, 2))
 
 __all__: list[str] = []
 
@@ -34,6 +39,26 @@ def _share(arena: Arena, item: int = 1) -> int:
         raise ValueError(f"items of {item} B do not fit the shared-memory slot ({arena.slot_bytes} B shared by "
                          f"{arena.size} ranks); raise TCOLL_SHM_SLOT")
     return share
+
+
+def _in_kernel(arena: Arena, kind: str, send: np.ndarray, out: np.ndarray | None, nbytes: list[int], one_step: bool,
+               root: int = 0, codes: tuple[int, int] = (0, 0)) -> int:
+    """A call's one step in the arena's C kernel, where it takes it: every block alike (`nbytes`), one step
+    (`one_step`), nothing lent (under ZERO_COPY_BYTES in all, but for an all_gather, which never lends). The
+    kernel lays the slots out as the Python steps do, so ranks that take either way pair.
+
+    Args:
+        kind: "ALL_GATHER", "GATHER", "ALL_TO_ALL" or "REDUCE_SCATTER" (the kernel's BLOCKS_* codes).
+        send, out: this rank's blocks, and where its result goes (None: a gather's other ranks), as bytes.
+        codes: a reduce_scatter's dtype and op codes.
+
+    Returns:
+        DONE; PUBLISHED: the step is published, and `agree` and the copies out are the caller's; NOT_STARTED.
+    """
+    if (arena.kernel is None or not one_step or not nbytes or min(nbytes) != max(nbytes)
+            or (kind != "ALL_GATHER" and sum(nbytes) >= ZERO_COPY_BYTES)):
+        return NOT_STARTED
+    return arena.run_blocks(send, out, getattr(kernel_module, "BLOCKS_" + kind), nbytes[0], root, *codes)
 
 
 def _write_shares(slot: np.ndarray, raw: np.ndarray, nbytes: list[int], disp: list[int], lo: int, share: int,
@@ -94,12 +119,19 @@ def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndar
     nbytes = [n * item for n in counts]
     own = raw[disp[me]:disp[me] + nbytes[me]] if source is None else source.reshape(-1).view(np.uint8)
     piece = arena.slot_bytes  # bytes: blocks are only moved
-    for index in range(_steps(nbytes, piece)):
+    steps = _steps(nbytes, piece)
+    state = _in_kernel(arena, "ALL_GATHER", own, raw, nbytes, steps == 1)
+    if state == DONE:
+        return
+    for index in range(steps):
         lo = index * piece
-        step = arena.first_step() if index == 0 else arena.claim()
-        mine = own[lo:lo + piece]
-        copy_bytes(arena, arena.slot(me, step)[:mine.nbytes], mine)
-        arena.publish(step)
+        if state == PUBLISHED:  # the kernel took the first (only) step's part of this rank
+            step = arena.first
+        else:
+            step = arena.first_step() if index == 0 else arena.claim()
+            mine = own[lo:lo + piece]
+            copy_bytes(arena, arena.slot(me, step)[:mine.nbytes], mine)
+            arena.publish(step)
         if index == 0:
             arena.agree(step)
         else:
@@ -125,6 +157,15 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
     own = send.view(np.uint8)
     piece = arena.slot_bytes  # bytes: blocks are only moved
     steps = _steps(nbytes, piece)
+    state = _in_kernel(arena, "GATHER", own, None if out is None else out.view(np.uint8), nbytes, steps == 1, root)
+    if state == DONE:
+        return
+    if state == PUBLISHED:  # (one step, nothing lent: the kernel took this rank's part of it)
+        arena.agree(arena.first)
+        if me == root:
+            assert out is not None
+            _gather_out(arena, out.view(np.uint8), displacements(nbytes), nbytes, 0, piece, arena.first, [None] * size)
+        return
     if me != root:
         ref = arena.lend(own, total)
         for index in range(steps):  # a lender takes every step too: step numbers stay equal on all ranks
@@ -159,15 +200,24 @@ def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, s
             for q in others:
                 if sources[q] is None and nbytes[q] > lo:
                     arena.wait_rank(q, step)
-        for q in others:
-            src = sources[q]
-            if src is not None:
-                if index == 0:
-                    copy_bytes(arena, raw[disp[q]:disp[q] + nbytes[q]], src)
-                continue
-            hi = min(nbytes[q], lo + piece)
-            if hi > lo:
-                copy_bytes(arena, raw[disp[q] + lo:disp[q] + hi], arena.slot(q, step)[:hi - lo])
+        _gather_out(arena, raw, disp, nbytes, lo, piece, step, sources, index == 0)
+
+
+def _gather_out(arena: Arena, raw: np.ndarray, disp: list[int], nbytes: list[int], lo: int, piece: int, step: int,
+                sources: list[np.ndarray | None], first: bool = True) -> None:
+    """Root of the shm gather, in step `step`: every other rank's piece at `lo` out of its slot into `raw` (or,
+    in the first step, its whole lent block)."""
+    for q in range(arena.size):
+        if q == arena.rank:
+            continue
+        src = sources[q]
+        if src is not None:
+            if first:
+                copy_bytes(arena, raw[disp[q]:disp[q] + nbytes[q]], src)
+            continue
+        hi = min(nbytes[q], lo + piece)
+        if hi > lo:
+            copy_bytes(arena, raw[disp[q] + lo:disp[q] + hi], arena.slot(q, step)[:hi - lo])
 
 
 @algorithm("scatter", "shm", cost=_gather_cost, direct=True)
@@ -243,17 +293,27 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
         out[...] = send[:counts[0]]
         return
     raw = send.view(np.uint8)
-    ref = arena.lend(raw, total)
     share = _share(arena, item)
-    disp = displacements(nbytes)
     out_raw = out.view(np.uint8)
+    steps = _steps(nbytes, share)
+    builtin = getattr(OPS.get(op.name), "fn", None) is op.fn  # a user's op is Python's (it may fail on one rank)
+    codes = kernel_codes(arena, dtype, op) if builtin else None
+    state = NOT_STARTED if codes is None else _in_kernel(arena, "REDUCE_SCATTER", raw, out_raw, nbytes, steps == 1,
+                                                         0, codes)
+    if state == DONE:
+        return
+    ref = None if state == PUBLISHED else arena.lend(raw, total)  # (the kernel lends nothing)
+    disp = displacements(nbytes)
     sources: list[np.ndarray | None] = []
-    for index in range(_steps(nbytes, share)):
+    for index in range(steps):
         lo = index * share
-        step = arena.first_step(ref) if index == 0 else arena.claim()
-        if ref is None:
-            _write_shares(arena.slot(me, step), raw, nbytes, disp, lo, share)
-        arena.publish(step)
+        if state == PUBLISHED:  # the kernel took this rank's part of the first (only) step
+            step = arena.first
+        else:
+            step = arena.first_step(ref) if index == 0 else arena.claim()
+            if ref is None:
+                _write_shares(arena.slot(me, step), raw, nbytes, disp, lo, share)
+            arena.publish(step)
         if index != 0:
             arena.wait_all(step)
         else:
@@ -284,19 +344,26 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
     if size == 1:
         return
     raw, out_raw = send.view(np.uint8), out.view(np.uint8)
-    ref = arena.lend(raw, total)
     share = _share(arena)
+    steps = _steps([block], share)
+    state = _in_kernel(arena, "ALL_TO_ALL", raw, out_raw, [block] * size, steps == 1)
+    if state == DONE:
+        return
+    ref = None if state == PUBLISHED else arena.lend(raw, total)  # (the kernel lends nothing)
     sources: list[np.ndarray | None] = []
-    for index in range(_steps([block], share)):
+    for index in range(steps):
         lo = index * share
         hi = min(block, lo + share)
-        step = arena.first_step(ref) if index == 0 else arena.claim()
-        if ref is None:
-            slot = arena.slot(me, step)
-            for q in range(size):
-                if q != me:
-                    slot[q * share:q * share + hi - lo] = raw[q * block + lo:q * block + hi]
-        arena.publish(step)
+        if state == PUBLISHED:  # the kernel took this rank's part of the first (only) step
+            step = arena.first
+        else:
+            step = arena.first_step(ref) if index == 0 else arena.claim()
+            if ref is None:
+                slot = arena.slot(me, step)
+                for q in range(size):
+                    if q != me:
+                        slot[q * share:q * share + hi - lo] = raw[q * block + lo:q * block + hi]
+            arena.publish(step)
         if index != 0:
             arena.wait_all(step)
         else:

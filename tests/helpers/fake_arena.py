@@ -1,0 +1,46 @@
+"""An arena's memory in this process, where a test plays the other rank word by word (the C kernel's tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tcoll.shm import arena as arena_module
+
+__all__ = ["FakeArena", "STAMP"]
+
+
+class FakeArena:
+    """An arena's memory in this process, seen as rank 0 of 2; the test plays rank 1 by writing its words."""
+
+    SLOT = 4096
+
+    def __init__(self) -> None:
+        import mmap
+
+        self.desc_at, self.data_at = arena_module._layout(2)
+        bell_at = arena_module.arena_bytes(2, self.SLOT)  # the peer's doorbell, past the arena
+        self.map = mmap.mmap(-1, bell_at + 8)
+        self.counters = np.frombuffer(self.map, np.uint64, 2, 0)
+        self.desc = np.frombuffer(self.map, np.uint64, 2 * 2 * 8, self.desc_at)
+        self.bell = np.frombuffer(self.map, np.uint32, 2, bell_at)  # sequence, sleepers
+        self.kernel = arena_module.kernel_module.Kernel(
+            self.map, self.desc_at, self.data_at, 2, 0, self.SLOT, [memoryview(self.map)[bell_at:bell_at + 8]])
+
+    def slot(self, rank: int, step: int, dtype: Any, count: int) -> np.ndarray:
+        offset = self.data_at + ((step % 2) * 2 + rank) * self.SLOT
+        return np.frombuffer(self.map, dtype, count, offset)
+
+    def peer_publishes(self, step: int, stamp: int, sequence: int, values: np.ndarray) -> None:
+        at = ((step % 2) * 2 + 1) * 8
+        self.desc[at:at + 4] = [stamp & (2**64 - 1), stamp >> 64, sequence, 0]
+        self.slot(1, step, values.dtype, values.size)[...] = values
+        self.counters[1] = step + 1
+
+    def run(self, buf: np.ndarray, step: int, stamp: int, sequence: int, want: bool = True) -> int:
+        code = arena_module.KERNEL_DTYPES[buf.dtype]
+        return self.kernel.run(buf, code, 0, step, stamp, sequence, 0, False, want)
+
+
+STAMP = (0xFEED << 64) | 0xBEEF  # a stamp with both 64-bit halves set
