@@ -60,7 +60,6 @@ def _broadcast(comm: Communicator, x: Any, root: int, *, algorithm: str, async_o
     return dispatcher.run(call, True) if async_op else lean_run(dispatcher, key, x, call)
 
 
-@numbered("all_gather")
 def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = "auto",
                async_op: bool = False) -> Any:
     """Gather every rank's `x` on every rank.
@@ -78,6 +77,16 @@ def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
         ValueError: out has the wrong shape or dtype; x not contiguous.
         TypeError: x or out is not a buffer.
     """
+    if out is not None and not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        result = again(comm, (id(x), id(out), "all_gather", algorithm), x)
+        if result is not MISS:
+            return result
+    return _all_gather(comm, x, out, algorithm=algorithm, async_op=async_op)
+
+
+@numbered("all_gather")
+def _all_gather(comm: Communicator, x: Any, out: Any, *, algorithm: str, async_op: bool) -> Any:
+    """all_gather, checked (see all_gather)."""
     arr = as_array(x, writable=False, what="all_gather input")
     user_out, out_flat = output(x, arr, out, (comm.size, *arr.shape), "all_gather")
     count = arr.size
@@ -85,7 +94,15 @@ def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     own = (out_flat[comm.rank * count:(comm.rank + 1) * count], apart(arr.reshape(-1), out_flat))
     call = Call("all_gather", (out_flat, [count] * comm.size), arr.nbytes, algorithm=algorithm, result=user_out,
                 staged=own, dtype=arr.dtype, count=count)
-    return comm.core.dispatch.run(call, async_op)
+    return _run(comm, call, async_op, x, out, (id(x), id(out), "all_gather", algorithm))
+
+
+def _run(comm: Communicator, call: Call, async_op: bool, x: Any, out: Any, key: Any) -> Any:
+    """Dispatch a checked call that reads `x` and writes `out`: remembered for the lean path (tcoll.comm.plans)
+    when it is blocking and the caller gave `out`, so that the same arrays skip the checks next time."""
+    if async_op or out is None:
+        return comm.core.dispatch.run(call, async_op)
+    return lean_run(comm.core.dispatch, key, x, call, out)
 
 
 @numbered("gather")
@@ -183,7 +200,6 @@ def _scatter_output(out: Any, kind: str, dtype: np.dtype, shape: tuple[int, ...]
     return out, view.reshape(-1)
 
 
-@numbered("all_to_all")
 def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = "auto",
                async_op: bool = False) -> Any:
     """Send part j of `x` to rank j; receive part i of every rank i.
@@ -200,6 +216,16 @@ def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     Raises:
         ValueError: x.shape[0] != size; out has the wrong shape or dtype.
     """
+    if out is not None and not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        result = again(comm, (id(x), id(out), "all_to_all", algorithm), x)
+        if result is not MISS:
+            return result
+    return _all_to_all(comm, x, out, algorithm=algorithm, async_op=async_op)
+
+
+@numbered("all_to_all")
+def _all_to_all(comm: Communicator, x: Any, out: Any, *, algorithm: str, async_op: bool) -> Any:
+    """all_to_all, checked (see all_to_all)."""
     arr = as_array(x, writable=False, what="all_to_all input")
     if arr.ndim == 0 or arr.shape[0] != comm.size:
         raise ValueError(f"all_to_all needs x of shape ({comm.size}, ...): one part per rank; got {arr.shape}")
@@ -210,4 +236,4 @@ def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     counts = [count] * comm.size
     call = Call("all_to_all", (send, out_flat, counts, counts), send.nbytes, algorithm=algorithm, result=user_out,
                 dtype=send.dtype, count=send.size, copies=((out_flat[mine], send[mine]),))
-    return comm.core.dispatch.run(call, async_op)
+    return _run(comm, call, async_op, x, out, (id(x), id(out), "all_to_all", algorithm))

@@ -206,36 +206,47 @@ def initializer(method: Callable[..., Any]) -> Callable[..., Plan]:
 
 
 class _Lean:
-    """One remembered call: its buffer (kept alive, so that its id stays its own), what was checked, and its
-    express call (tcoll.shm.express; run_express is its bound run, None while there is none)."""
+    """One remembered call: its buffers (kept alive, so that their ids stay their own: the call's array, and the
+    output of a call that writes elsewhere), what was checked, and its express call (tcoll.shm.express;
+    run_express is its bound run, None while there is none)."""
 
-    __slots__ = ("x", "shape", "dtype", "prepared", "express", "run_express")
+    __slots__ = ("x", "shape", "dtype", "out", "out_shape", "out_dtype", "prepared", "express", "run_express")
 
-    def __init__(self, x: np.ndarray, prepared: Prepared) -> None:
+    def __init__(self, x: np.ndarray, prepared: Prepared, out: np.ndarray | None = None) -> None:
         self.x, self.shape, self.dtype, self.prepared = x, x.shape, x.dtype, prepared
+        self.out = out
+        self.out_shape, self.out_dtype = (out.shape, out.dtype) if out is not None else ((), None)
         self.express: Any = None
         self.run_express: Callable[[Any], Any] | None = None
 
 
 def _fits(dispatcher: Dispatcher, entry: _Lean, x: Any) -> bool:
-    """Whether `x` is still the buffer `entry` was checked for, as it was (and no plan is being made)."""
+    """Whether `x` (and the output) are still the buffers `entry` was checked for, as they were (and no plan
+    is being made): `x` writable where the call writes it, the output always."""
     if dispatcher.capturing or entry.x is not x or x.shape != entry.shape or x.dtype != entry.dtype:
         return False
-    flags = x.flags
-    return flags.writeable and flags.c_contiguous
+    out = entry.out
+    if out is None:
+        flags = x.flags
+        return flags.writeable and flags.c_contiguous
+    flags = out.flags
+    return (out.shape == entry.out_shape and out.dtype == entry.out_dtype and flags.writeable and flags.c_contiguous
+            and x.flags.c_contiguous)
 
 
-def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call) -> Any:
-    """Prepare a checked blocking call, remember it for `key` (a small NumPy buffer `x`), and run it."""
+def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call, out: Any = None) -> Any:
+    """Prepare a checked blocking call, remember it for `key` (a small NumPy buffer `x`, and `out`, the output
+    of a call that writes elsewhere: part of the key), and run it."""
     if dispatcher.capturing:
         return dispatcher.run(call)
     prepared = dispatcher.prepare(call, False)
-    if type(x) is not np.ndarray or x.nbytes > LEAN_BYTES:
+    if type(x) is not np.ndarray or x.nbytes > LEAN_BYTES or (out is not None and (
+            type(out) is not np.ndarray or np.may_share_memory(x, out))):  # (an overlapping x was copied)
         return dispatcher.run_prepared(prepared)
     lean = dispatcher.lean
     if len(lean) >= LEAN_ENTRIES:
         lean.clear()
-    entry = lean[key] = _Lean(x, prepared)
+    entry = lean[key] = _Lean(x, prepared, out)
     result = dispatcher.run_prepared(prepared)
     _renew_express(dispatcher, entry, prepared, x, make=False)
     return result

@@ -99,7 +99,6 @@ def _reduce(comm: Communicator, x: Any, root: int, op: str | Op, *, algorithm: s
     return comm.core.dispatch.run(call, True) if async_op else lean_run(comm.core.dispatch, key, x, call)
 
 
-@numbered("reduce_scatter")
 def reduce_scatter(comm: Communicator, x: Any, op: str | Op = "sum", out: Any = None, *, algorithm: str = "auto",
                    async_op: bool = False) -> Any:
     """Reduce `x` over all ranks and give rank r the r-th of `size` equal parts (along axis 0).
@@ -118,6 +117,17 @@ def reduce_scatter(comm: Communicator, x: Any, op: str | Op = "sum", out: Any = 
         ValueError: x.shape[0] does not divide by size; out has the wrong shape or dtype.
         TypeError: the op does not apply to the dtype.
     """
+    if out is not None and not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        result = again(comm, (id(x), id(out), "reduce_scatter", op, algorithm), x)
+        if result is not MISS:
+            return result
+    return _reduce_scatter_checked(comm, x, op, out, algorithm=algorithm, async_op=async_op)
+
+
+@numbered("reduce_scatter")
+def _reduce_scatter_checked(comm: Communicator, x: Any, op: str | Op, out: Any, *, algorithm: str,
+                            async_op: bool) -> Any:
+    """reduce_scatter, checked (see reduce_scatter)."""
     arr, resolved = reduction_input(x, op, "reduce_scatter buffer", writable=False)
     if arr.ndim == 0 or arr.shape[0] % comm.size:
         raise ValueError(f"reduce_scatter splits x along axis 0 into {comm.size} equal parts; "
@@ -125,8 +135,9 @@ def reduce_scatter(comm: Communicator, x: Any, op: str | Op = "sum", out: Any = 
     part_shape = (arr.shape[0] // comm.size, *arr.shape[1:])
     user_out, out_flat = output(x, arr, out, part_shape, "reduce_scatter")
     counts = [out_flat.size] * comm.size
+    key = (id(x), id(out), "reduce_scatter", op, algorithm) if out is not None else None
     return _reduce_scatter(comm, "reduce_scatter", apart(arr.reshape(-1), out_flat), out_flat, user_out, counts,
-                           resolved, algorithm, async_op)
+                           resolved, algorithm, async_op, (x, out, key))
 
 
 @numbered("reduce_scatterv")
@@ -161,11 +172,17 @@ def reduce_scatterv(comm: Communicator, x: Any, counts: Sequence[int], op: str |
 
 
 def _reduce_scatter(comm: Communicator, label: str, send: np.ndarray, out_flat: np.ndarray, user_out: Any,
-                    counts: list[int], op: Op, algorithm: str, async_op: bool) -> Any:
+                    counts: list[int], op: Op, algorithm: str, async_op: bool,
+                    lean: tuple[Any, Any, Any] | None = None) -> Any:
+    """Dispatch a checked reduce_scatter(v); `lean`: (x, out, key) of a blocking call the caller gave `out`
+    for, remembered for the lean path (tcoll.comm.plans)."""
     call = Call("reduce_scatter", (send, out_flat, counts, op), send.nbytes, label=label, op=op,
                 itemsize=send.itemsize, uneven=len(set(counts)) > 1, algorithm=algorithm, result=user_out,
                 finish_buf=out_flat, dtype=send.dtype, count=send.size)
-    return comm.core.dispatch.run(call, async_op)
+    if async_op or lean is None or lean[2] is None:
+        return comm.core.dispatch.run(call, async_op)
+    x, out, key = lean
+    return lean_run(comm.core.dispatch, key, x, call, out)
 
 
 @numbered("barrier")

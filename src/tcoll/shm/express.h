@@ -111,6 +111,10 @@ typedef struct {
     Py_ssize_t len;
     int dtype_code, op, want, split, yield;
     int root;             /* a broadcast's root (its one step: step_broadcast); -1: a reduction */
+    int blocks;           /* a block collective's kind (its one step: step_blocks), or -1 */
+    PyObject *out;        /* ... its output array, the same object every time (NULL: none) */
+    void *out_buf;
+    Py_ssize_t out_len, block;
     uint64_t stamp_low, stamp_high, spin_ns, generation;
     unsigned long long completed;  /* calls it ran whole (tests, and whoever asks why a call was fast) */
 } Express;
@@ -137,6 +141,7 @@ static int Express_traverse(Express *self, visitproc visit, void *arg) {
     Py_VISIT(self->seqs);
     Py_VISIT(self->calls);
     Py_VISIT(self->said);
+    Py_VISIT(self->out);
     return 0;
 }
 
@@ -153,6 +158,7 @@ static int Express_clear(Express *self) {
     Py_CLEAR(self->seqs);
     Py_CLEAR(self->calls);
     Py_CLEAR(self->said);
+    Py_CLEAR(self->out);
     return 0;
 }
 
@@ -163,16 +169,24 @@ static void Express_dealloc(Express *self) {
 }
 
 /* Express(gate, kernel, x, result, arena, dispatcher, watch, prepared, seqs, calls, label, stamp,
- *         dtype_code, op, want, split, spin_ns, yield, root): root -1 for a reduction, else a broadcast's */
+ *         dtype_code, op, want, split, spin_ns, yield, root, blocks, out, block): root -1 for a reduction, else
+ *         a broadcast's (or a block collective's); blocks -1, or a block collective's kind (BLOCKS_*), which
+ *         reads x (want 0) and writes `out`, blocks of `block` bytes */
 static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     (void)kwds;
     PyObject *gate, *kernel, *x, *result, *arena, *dispatcher, *watch, *prepared, *seqs, *calls, *label, *stamp;
-    int dtype_code, op, want, split, yield, root;
+    PyObject *out;
+    int dtype_code, op, want, split, yield, root, blocks;
     unsigned long long spin_ns;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKpi", &GateType, &gate, &KernelType, &kernel, &x, &result,
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKpiiOn", &GateType, &gate, &KernelType, &kernel, &x, &result,
                           &arena, &dispatcher, &watch, &prepared, &PyList_Type, &seqs, &PyList_Type, &calls, &label,
-                          &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield, &root))
+                          &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield, &root, &blocks, &out, &block))
         return -1;
+    if (blocks >= BLOCKS_KINDS || (blocks >= 0 && (split || want || out == Py_None))) {
+        PyErr_SetString(PyExc_ValueError, "Express: a block collective has one step, reads x and writes out");
+        return -1;
+    }
     if (root < -1 || root >= ((Kernel *)kernel)->size || (root >= 0 && split)) {
         PyErr_SetString(PyExc_ValueError, "Express: the root is not a rank (or a broadcast was given three steps)");
         return -1;
@@ -194,8 +208,18 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     self->buf = view.buf;
     self->len = view.len;
     PyBuffer_Release(&view);
+    void *out_buf = NULL;
+    Py_ssize_t out_len = -1;
+    if (fits && blocks >= 0) {
+        Blocks b = {blocks, root < 0 ? 0 : root, block, blocks_share((Kernel *)kernel, blocks, dtype_code), NULL};
+        if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) return -1;
+        out_buf = view.buf;
+        out_len = view.len;
+        PyBuffer_Release(&view);
+        fits = blocks_fit((Kernel *)kernel, &b, dtype_code, self->len, out_len);
+    }
     if (!fits) {
-        PyErr_SetString(PyExc_ValueError, "Express: the buffer does not fit a slot or its dtype");
+        PyErr_SetString(PyExc_ValueError, "Express: the buffer does not fit a slot or its dtype (or the blocks one step)");
         return -1;
     }
     PyObject *dtype = PyObject_GetAttr(x, S_dtype);
@@ -220,6 +244,11 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     self->want = want;
     self->split = split;
     self->root = root;
+    self->blocks = blocks;
+    if (blocks >= 0) { Py_INCREF(out); self->out = out; }
+    self->out_buf = out_buf;
+    self->out_len = out_len;
+    self->block = block;
     self->yield = yield;
     self->spin_ns = spin_ns;
     self->stamp_low = low;
@@ -265,6 +294,14 @@ static int may_run(Express *self, PyObject *x, Py_buffer *view) {
     return 1;
 }
 
+/* A block collective's output, as it was when the call was bound (writable, same address and length); the
+ * view is acquired when it returns 1. */
+static int out_ready(Express *self, Py_buffer *view) {
+    if (PyObject_GetBuffer(self->out, view, PyBUF_WRITABLE) < 0) { PyErr_Clear(); return 0; }
+    if (view->buf != self->out_buf || view->len != self->out_len) { PyBuffer_Release(view); return 0; }
+    return 1;
+}
+
 /* Take the call's number, as Agreement.begin does before the call runs: on the dispatcher, and as the
  * engine's watch's highest call started (so that what arrives for it is for a call under way or done). */
 static int take_number(Express *self, PyObject *number, uint64_t sequence) {
@@ -298,10 +335,13 @@ static int record_done(Express *self, PyObject *number, uint64_t sequence, uint6
  * arena.pending = sequence * 4 + how far the kernel got. */
 static PyObject *Express_run(Express *self, PyObject *x) {
     RunArgs a;
+    Py_buffer out;
     if (!may_run(self, x, &a.view)) Py_RETURN_NONE;
+    if (self->blocks >= 0 && !out_ready(self, &out)) { PyBuffer_Release(&a.view); Py_RETURN_NONE; }
     uint64_t last;
     if (get_count(self->arena, S_step, &a.step) < 0 || get_count(self->dispatcher, S_sequence, &last) < 0) {
         PyBuffer_Release(&a.view);
+        if (self->blocks >= 0) PyBuffer_Release(&out);
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -309,6 +349,7 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     if (number == NULL || take_number(self, number, last + 1) < 0) {  /* (only out of memory) */
         Py_XDECREF(number);
         PyBuffer_Release(&a.view);
+        if (self->blocks >= 0) PyBuffer_Release(&out);
         return NULL;
     }
     a.dtype = self->dtype_code;
@@ -322,11 +363,19 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     Kernel *kernel = self->kernel;
     Py_INCREF(kernel);  /* (a thread that closes the communicator meanwhile retires it: it waits for this step) */
     kernel->busy++;
-    long state = self->root >= 0 ? step_broadcast(kernel, &a, self->root)
-                 : self->split ? step_split(kernel, &a) : step_small(kernel, &a);
+    long state;
+    if (self->blocks >= 0) {
+        Blocks b = {self->blocks, self->root < 0 ? 0 : self->root, self->block,
+                    blocks_share(kernel, self->blocks, a.dtype), out.buf};
+        state = step_blocks(kernel, &a, &b);
+    } else {
+        state = self->root >= 0 ? step_broadcast(kernel, &a, self->root)
+                : self->split ? step_split(kernel, &a) : step_small(kernel, &a);
+    }
     step_over(kernel);
     Py_DECREF(kernel);
     PyBuffer_Release(&a.view);
+    if (self->blocks >= 0) PyBuffer_Release(&out);
     if (state != DONE) {  /* the Python path takes the call over where the kernel left it */
         Py_DECREF(number);
         Py_CLEAR(self->gate->kernel);  /* no express call until Python has dealt with this one */

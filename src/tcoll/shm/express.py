@@ -41,6 +41,7 @@ __all__ = ["HANDED_OVER", "NOTHING", "new_gate", "build", "forget_all"]
 HANDED_OVER = kernel_module.HANDED_OVER if kernel_module is not None else object()
 
 _COLLECTIVES = ("all_reduce", "reduce", "broadcast", "barrier")
+_BLOCKS = {"all_gather": "ALL_GATHER", "all_to_all": "ALL_TO_ALL", "reduce_scatter": "REDUCE_SCATTER"}
 NOTHING = np.empty(0, dtype=np.uint8)  # a barrier's buffer: a broadcast of no bytes (its step in the C kernel)
 
 
@@ -94,6 +95,8 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
 
     call, info = prepared.call, prepared.info
     arena = dispatcher.arena
+    if call.collective in _BLOCKS:
+        return _build_blocks(dispatcher, prepared, x)
     if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
             or info is None or not info.direct or info.name != "shm" or call.collective not in _COLLECTIVES or prepared.async_op or prepared.finishes
             or call.copies or call.staged is not None or type(x) is not np.ndarray):
@@ -118,4 +121,48 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     return kernel_module.Express(
         agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], want,
-        split, arena.kernel_spin_ns, arena.kernel_yields, root)
+        split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0)
+
+
+def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
+    """The express call of a blocking all_gather, all_to_all or reduce_scatter on array `x` into a fixed
+    output (the caller's `out`, or a plan's), or None.
+
+    Only a call the arena's kernel runs in one step (tcoll.shm.blocks._in_kernel) takes it, reading `x` itself
+    (not a copy of it: an input that overlaps the output is copied at every call), with a built-in op the
+    kernel reduces in x's dtype and no finishing (avg divides, Python does) for a reduce_scatter.
+    """
+    from .arena import ZERO_COPY_BYTES
+    from .blocks import _share, _steps
+    from .bridge import kernel_codes
+    from .vector import may_fail
+
+    call, info = prepared.call, prepared.info
+    arena = dispatcher.arena
+    if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
+            or info is None or not info.direct or info.name != "shm" or prepared.async_op or prepared.finishes
+            or type(x) is not np.ndarray):
+        return None
+    collective, size = call.collective, arena.size
+    if collective == "all_gather":
+        send = call.staged[1]
+        block, share, codes = send.nbytes, arena.slot_bytes, (KERNEL_DTYPES[np.dtype(np.uint8)], 0)
+    else:
+        send = call.args[0]
+        block = send.nbytes // size
+        if collective == "all_to_all":
+            share, codes = _share(arena), (KERNEL_DTYPES[np.dtype(np.uint8)], 0)
+        else:
+            op = call.args[3]
+            share, codes = _share(arena, send.itemsize), None if may_fail(op) else kernel_codes(arena, send.dtype, op)
+        if codes is None or block * size >= ZERO_COPY_BYTES or len(set(call.args[2])) != 1:
+            return None
+    if (send.nbytes != x.nbytes or send.__array_interface__["data"][0] != x.__array_interface__["data"][0]
+            or _steps([block], share) != 1 or not isinstance(call.result, np.ndarray)):
+        return None
+    agreement = dispatcher.agreement
+    return kernel_module.Express(
+        agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
+        agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], False,
+        False, arena.kernel_spin_ns, arena.kernel_yields, -1, getattr(kernel_module, "BLOCKS_" + _BLOCKS[collective]),
+        call.result, block)

@@ -1,0 +1,182 @@
+"""The express path of the block collectives: a repeated blocking all_gather, all_to_all or reduce_scatter into
+the caller's `out` (or a plan's), whole in one C call.
+
+NumPy's result every time (the input refilled between calls), the Python path
+again whenever an array changes (another input, a read-only or reshaped out),
+a late rank handed over to Python, and ranks that disagree all raise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tcoll
+from tcoll.shm.kernel_abi import kernel_module
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+needs_kernel = pytest.mark.skipif(kernel_module is None, reason="the arena's C kernel is not built")
+
+
+def _completed(comm: tcoll.Communicator, x: np.ndarray, out: np.ndarray, *key: Any) -> int:
+    """How many calls the express call of (x, out, *key) ran whole in C (0: it has none)."""
+    entry = comm.core.dispatch.lean.get((id(x), id(out), *key))
+    made = None if entry is None else entry.express
+    return getattr(made, "completed", 0)
+
+
+def _expected(name: str, inputs: list[np.ndarray], rank: int) -> np.ndarray:
+    if name == "all_gather":
+        return np.stack([x[0] for x in inputs])
+    if name == "all_to_all":
+        return np.stack([x[rank] for x in inputs])
+    total = inputs[0].copy()
+    for x in inputs[1:]:
+        np.add(total, x, out=total)
+    return total[rank:rank + 1]
+
+
+def _call(comm: tcoll.Communicator, name: str, x: np.ndarray, out: np.ndarray) -> Any:
+    if name == "all_gather":
+        return comm.all_gather(x, out=out)  # (x: the row, one array object every call)
+    if name == "all_to_all":
+        return comm.all_to_all(x, out=out)
+    return comm.reduce_scatter(x, "sum", out=out)
+
+
+def repeated(comm: tcoll.Communicator, name: str, count: int, dtype: str, calls: int) -> tuple[list[str], int, int]:
+    """`calls` calls of `name` on the same arrays, the input refilled each time; (failures, calls run
+    express, plan runs run express)."""
+    kind = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    p, me = comm.size, comm.rank
+    x = np.zeros((p, count), kind)
+    out = np.zeros((p, count) if name != "reduce_scatter" else (1, count), kind)
+    send = x[0] if name == "all_gather" else x
+    plan = getattr(comm, f"{name}_init")(send) if name != "reduce_scatter" else comm.reduce_scatter_init(x, "sum")
+    bad = []
+    for call in range(calls):
+        inputs = [((np.arange(p * count) * (q + 3) + call) % 61).astype(kind).reshape(p, count) for q in range(p)]
+        x[...] = inputs[me]
+        got = _call(comm, name, send, out)
+        want = _expected(name, inputs, me)
+        if got is not out or not np.array_equal(out, want):
+            bad.append(f"rank {me} call {call}: {name} {dtype} x{count}")
+        planned = plan()
+        if not np.array_equal(planned, want):
+            bad.append(f"rank {me} call {call}: the plan of {name}")
+    key = ("all_gather", "auto") if name == "all_gather" else (name, "auto") if name == "all_to_all" else \
+        ("reduce_scatter", "sum", "auto")
+    target = send if name == "all_gather" else x
+    return bad, _completed(comm, target, out, *key), getattr(plan.express, "completed", 0)
+
+
+CASES = [("all_gather", 3, "float32"), ("all_gather", 700, "int64"), ("all_to_all", 5, "uint8"),
+         ("all_to_all", 300, "bfloat16"), ("reduce_scatter", 4, "float64"), ("reduce_scatter", 500, "int32")]
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name,count,dtype", CASES, ids=[f"{n}-{c}-{d}" for n, c, d in CASES])
+def test_repeated_block_calls_match_numpy_and_run_express(size: int, name: str, count: int, dtype: str) -> None:
+    results = tcoll.spawn(repeated, size, (name, count, dtype, 30), timeout=100, transport="shm")
+    assert not [f for bad, _, _ in results for f in bad], results
+    if size == 2:  # (more ranks than cores: a call runs whole only when every rank comes within the spin)
+        assert all(express > 0 and planned > 0 for _, express, planned in results), results
+
+
+def arrays_that_change(comm: tcoll.Communicator) -> list[str]:
+    """After express calls, the same call on another input, a read-only out and a reshaped out: each takes the
+    Python path (right result, or the checks' error), never a stale binding."""
+    p, me = comm.size, comm.rank
+    x, out = np.full(4, me, np.int64), np.zeros((p, 4), np.int64)
+    said = []
+    for _ in range(5):
+        comm.all_gather(x, out=out)
+    other = np.full(4, me + 10, np.int64)
+    said.append(str(comm.all_gather(other, out=out)[:, 0].tolist()))
+    out.flags.writeable = False
+    try:
+        comm.all_gather(x, out=out)
+    except ValueError as exc:
+        said.append(f"ValueError: {'read-only' in str(exc) or 'writ' in str(exc)}")
+    out.flags.writeable = True
+    out.shape = (p * 4,)
+    try:
+        comm.all_gather(x, out=out)
+    except ValueError as exc:
+        said.append(f"ValueError: {'shape' in str(exc)}")
+    out.shape = (p, 4)
+    x[...] = me + 20
+    said.append(str(comm.all_gather(x, out=out)[:, 0].tolist()))
+    return said
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_changed_arrays_take_the_python_path() -> None:
+    results = tcoll.spawn(arrays_that_change, 2, timeout=50, transport="shm")
+    for said in results:
+        assert said == ["[10, 11]", "ValueError: True", "ValueError: True", "[20, 21]"], results
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def late(comm: tcoll.Communicator) -> tuple[bool, int]:
+    """all_to_all into the same out with the last rank late by turns (past the kernel's spin): right results."""
+    p, me = comm.size, comm.rank
+    x, out = np.zeros((p, 3), np.float32), np.zeros((p, 3), np.float32)
+    ok = True
+    for call in range(30):
+        x[...] = me * 100 + call + np.arange(p)[:, None]
+        if me == p - 1 and call % 3 == 1:
+            _busy(0.002)
+        comm.all_to_all(x, out=out)
+        ok &= bool(np.array_equal(out, np.array([[q * 100 + call + me] * 3 for q in range(p)], np.float32)))
+    return ok, _completed(comm, x, out, "all_to_all", "auto")
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_a_late_peer_hands_a_block_call_over_to_python() -> None:
+    results = tcoll.spawn(late, 3, timeout=50, transport="shm")
+    assert all(ok for ok, _ in results), results
+
+
+def another_call(comm: tcoll.Communicator, how: str) -> tuple[str, bool]:
+    """Express all_gathers, then rank 0 alone makes another call; every rank must raise, and go on."""
+    p, me = comm.size, comm.rank
+    x, out = np.full(3, me, np.float32), np.zeros((p, 3), np.float32)
+    for _ in range(5):
+        comm.all_gather(x, out=out)
+    try:
+        if me == 0 and how == "size":
+            comm.all_gather(np.ones(4, np.float32), out=np.zeros((p, 4), np.float32))
+        elif me == 0:
+            comm.all_to_all(np.ones((p, 3), np.float32), out=np.zeros((p, 3), np.float32))
+        else:
+            comm.all_gather(x, out=out)
+    except tcoll.MismatchError as exc:
+        said = str(exc)
+    else:
+        said = "no error"
+    got = comm.all_gather(x, out=out)
+    return said, bool(np.array_equal(got[:, 0], np.arange(p, dtype=np.float32)))
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["size", "collective"])
+def test_another_call_on_one_rank_is_an_error_on_every_rank(how: str) -> None:
+    results = tcoll.spawn(another_call, 3, (how,), timeout=50, transport="shm")
+    for rank, (said, after_ok) in enumerate(results):
+        assert "where rank" in said or "disagree" in said, (how, rank, said)
+        assert after_ok, (how, rank)
