@@ -1,5 +1,5 @@
-"""The express path of the block collectives: a repeated blocking all_gather, all_to_all or reduce_scatter into
-the caller's `out` (or a plan's), whole in one C call.
+"""The express path of the block collectives: a repeated blocking all_gather, gather, all_to_all or reduce_scatter
+into the caller's `out` (or a plan's; a gather's other ranks need none), whole in one C call.
 
 NumPy's result every time (the input refilled between calls), the Python path
 again whenever an array changes (another input, a read-only or reshaped out),
@@ -22,16 +22,21 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 needs_kernel = pytest.mark.skipif(kernel_module is None, reason="the arena's C kernel is not built")
 
 
-def _completed(comm: tcoll.Communicator, x: np.ndarray, out: np.ndarray, *key: Any) -> int:
+def _completed(comm: tcoll.Communicator, x: np.ndarray, out: np.ndarray | None, *key: Any) -> int:
     """How many calls the express call of (x, out, *key) ran whole in C (0: it has none)."""
     entry = comm.core.dispatch.lean.get((id(x), id(out), *key))
     made = None if entry is None else entry.express
     return getattr(made, "completed", 0)
 
 
-def _expected(name: str, inputs: list[np.ndarray], rank: int) -> np.ndarray:
-    if name == "all_gather":
+ROOT = 1  # a gather's
+
+
+def _expected(name: str, inputs: list[np.ndarray], rank: int) -> np.ndarray | None:
+    if name == "all_gather" or (name == "gather" and rank == ROOT):
         return np.stack([x[0] for x in inputs])
+    if name == "gather":
+        return None
     if name == "all_to_all":
         return np.stack([x[rank] for x in inputs])
     total = inputs[0].copy()
@@ -43,6 +48,8 @@ def _expected(name: str, inputs: list[np.ndarray], rank: int) -> np.ndarray:
 def _call(comm: tcoll.Communicator, name: str, x: np.ndarray, out: np.ndarray) -> Any:
     if name == "all_gather":
         return comm.all_gather(x, out=out)  # (x: the row, one array object every call)
+    if name == "gather":
+        return comm.gather(x, ROOT, out=out if comm.rank == ROOT else None)
     if name == "all_to_all":
         return comm.all_to_all(x, out=out)
     return comm.reduce_scatter(x, "sum", out=out)
@@ -55,26 +62,28 @@ def repeated(comm: tcoll.Communicator, name: str, count: int, dtype: str, calls:
     p, me = comm.size, comm.rank
     x = np.zeros((p, count), kind)
     out = np.zeros((p, count) if name != "reduce_scatter" else (1, count), kind)
-    send = x[0] if name == "all_gather" else x
-    plan = getattr(comm, f"{name}_init")(send) if name != "reduce_scatter" else comm.reduce_scatter_init(x, "sum")
+    send = x[0] if name in ("all_gather", "gather") else x
+    plan = (comm.reduce_scatter_init(x, "sum") if name == "reduce_scatter" else comm.gather_init(send, ROOT)
+            if name == "gather" else getattr(comm, f"{name}_init")(send))
     bad = []
     for call in range(calls):
         inputs = [((np.arange(p * count) * (q + 3) + call) % 61).astype(kind).reshape(p, count) for q in range(p)]
         x[...] = inputs[me]
         got = _call(comm, name, send, out)
         want = _expected(name, inputs, me)
-        if got is not out or not np.array_equal(out, want):
+        if (got is not None or want is not None) and (got is not out or not np.array_equal(out, want)):
             bad.append(f"rank {me} call {call}: {name} {dtype} x{count}")
         planned = plan()
-        if not np.array_equal(planned, want):
+        if (planned is not None or want is not None) and not np.array_equal(planned, want):
             bad.append(f"rank {me} call {call}: the plan of {name}")
-    key = ("all_gather", "auto") if name == "all_gather" else (name, "auto") if name == "all_to_all" else \
-        ("reduce_scatter", "sum", "auto")
-    target = send if name == "all_gather" else x
-    return bad, _completed(comm, target, out, *key), getattr(plan.express, "completed", 0)
+    keys = {"all_gather": ("all_gather", "auto"), "gather": ("gather", ROOT, "auto"), "all_to_all": (name, "auto"),
+            "reduce_scatter": ("reduce_scatter", "sum", "auto")}
+    entry = comm.core.dispatch.lean.get((id(send), id(out if name != "gather" or me == ROOT else None), *keys[name]))
+    return bad, getattr(getattr(entry, "express", None), "completed", 0), getattr(plan.express, "completed", 0)
 
 
-CASES = [("all_gather", 3, "float32"), ("all_gather", 700, "int64"), ("all_to_all", 5, "uint8"),
+CASES = [("all_gather", 3, "float32"), ("all_gather", 700, "int64"), ("gather", 2, "float64"), ("gather", 900, "uint8"),
+         ("all_to_all", 5, "uint8"),
          ("all_to_all", 300, "bfloat16"), ("reduce_scatter", 4, "float64"), ("reduce_scatter", 500, "int32")]
 
 

@@ -105,7 +105,6 @@ def _run(comm: Communicator, call: Call, async_op: bool, x: Any, out: Any, key: 
     return lean_run(comm.core.dispatch, key, x, call, out)
 
 
-@numbered("gather")
 def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
            async_op: bool = False) -> Any:
     """Gather every rank's `x` on `root`.
@@ -124,6 +123,16 @@ def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algori
         ValueError: root out of range; out has the wrong shape or dtype.
         TypeError: x or out is not a buffer.
     """
+    if not async_op and (out is not None or comm.rank != root):  # as a recent call (tcoll.comm.plans)
+        result = again(comm, (id(x), id(out), "gather", root, algorithm), x)
+        if result is not MISS:
+            return result
+    return _gather(comm, x, root, out, algorithm=algorithm, async_op=async_op)
+
+
+@numbered("gather")
+def _gather(comm: Communicator, x: Any, root: int, out: Any, *, algorithm: str, async_op: bool) -> Any:
+    """gather, checked (see gather)."""
     check_peer(root, comm.size, "root")
     arr = as_array(x, writable=False, what="gather input")
     send = arr.reshape(-1)
@@ -135,7 +144,10 @@ def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algori
         copies = ((out_flat[root * count:(root + 1) * count], send),)
     call = Call("gather", (send, out_flat, [count] * comm.size, root), arr.nbytes, algorithm=algorithm,
                 result=user_out, dtype=arr.dtype, count=count, root=root, copies=copies)
-    return comm.core.dispatch.run(call, async_op)
+    if async_op or (out is None and comm.rank == root):  # (a new output at every call: nothing to remember)
+        return comm.core.dispatch.run(call, async_op)
+    return lean_run(comm.core.dispatch, (id(x), id(out), "gather", root, algorithm), x, call,
+                    out if comm.rank == root else None, reads_only=True)
 
 
 @numbered("scatter")

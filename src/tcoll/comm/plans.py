@@ -58,6 +58,7 @@ LEAN_BYTES = 1 << 20  # buffers up to this size take the lean path: above it the
 LEAN_ENTRIES = 32
 MISS = object()  # lean_again: the remembered call does not fit this buffer any more (check it anew)
 HANDED_OVER = express.HANDED_OVER  # what an express call returns when Python must go on with the call
+NO_RESULT = express.NO_RESULT  # ... and where the call's result is None (a gather's other ranks)
 _NEVER = object()  # an entry's express: the call cannot run express (its op, dtype, size or path)
 
 
@@ -126,7 +127,7 @@ class Plan:
         run = self.run_express
         result = None if run is None else run(self._x)
         if result is not None and result is not HANDED_OVER:
-            return result
+            return None if result is NO_RESULT else result
         if self._blocking is not None:
             dispatcher = self._dispatch
             if result is HANDED_OVER:
@@ -210,11 +211,13 @@ class _Lean:
     output of a call that writes elsewhere), what was checked, and its express call (tcoll.shm.express;
     run_express is its bound run, None while there is none)."""
 
-    __slots__ = ("x", "shape", "dtype", "out", "out_shape", "out_dtype", "prepared", "express", "run_express")
+    __slots__ = ("x", "shape", "dtype", "out", "out_shape", "out_dtype", "reads_only", "prepared", "express",
+                 "run_express")
 
-    def __init__(self, x: np.ndarray, prepared: Prepared, out: np.ndarray | None = None) -> None:
+    def __init__(self, x: np.ndarray, prepared: Prepared, out: np.ndarray | None = None,
+                 reads_only: bool = False) -> None:
         self.x, self.shape, self.dtype, self.prepared = x, x.shape, x.dtype, prepared
-        self.out = out
+        self.out, self.reads_only = out, reads_only
         self.out_shape, self.out_dtype = (out.shape, out.dtype) if out is not None else ((), None)
         self.express: Any = None
         self.run_express: Callable[[Any], Any] | None = None
@@ -228,15 +231,15 @@ def _fits(dispatcher: Dispatcher, entry: _Lean, x: Any) -> bool:
     out = entry.out
     if out is None:
         flags = x.flags
-        return flags.writeable and flags.c_contiguous
+        return (flags.writeable or entry.reads_only) and flags.c_contiguous
     flags = out.flags
     return (out.shape == entry.out_shape and out.dtype == entry.out_dtype and flags.writeable and flags.c_contiguous
             and x.flags.c_contiguous)
 
 
-def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call, out: Any = None) -> Any:
+def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call, out: Any = None, reads_only: bool = False) -> Any:
     """Prepare a checked blocking call, remember it for `key` (a small NumPy buffer `x`, and `out`, the output
-    of a call that writes elsewhere: part of the key), and run it."""
+    of a call that writes elsewhere: part of the key; `reads_only`: the call only reads x), and run it."""
     if dispatcher.capturing:
         return dispatcher.run(call)
     prepared = dispatcher.prepare(call, False)
@@ -246,7 +249,7 @@ def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call, out: Any = No
     lean = dispatcher.lean
     if len(lean) >= LEAN_ENTRIES:
         lean.clear()
-    entry = lean[key] = _Lean(x, prepared, out)
+    entry = lean[key] = _Lean(x, prepared, out, reads_only or out is not None)
     result = dispatcher.run_prepared(prepared)
     _renew_express(dispatcher, entry, prepared, x, make=False)
     return result
@@ -267,7 +270,7 @@ def again(comm: Communicator, key: Any, x: Any) -> Any:
         if result is HANDED_OVER:  # it began the call: Python goes on with it
             return lean_again(dispatcher, entry, x, True)
         if result is not None:
-            return result
+            return None if result is NO_RESULT else result
     return lean_again(dispatcher, entry, x)
 
 

@@ -183,8 +183,10 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
                           &arena, &dispatcher, &watch, &prepared, &PyList_Type, &seqs, &PyList_Type, &calls, &label,
                           &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield, &root, &blocks, &out, &block))
         return -1;
-    if (blocks >= BLOCKS_KINDS || (blocks >= 0 && (split || want || out == Py_None))) {
-        PyErr_SetString(PyExc_ValueError, "Express: a block collective has one step, reads x and writes out");
+    int gather_off_root = blocks == BLOCKS_GATHER && root != ((Kernel *)kernel)->rank;
+    if (blocks >= BLOCKS_KINDS || (blocks >= 0 && (split || want || root < 0 || (out == Py_None) != gather_off_root))) {
+        PyErr_SetString(PyExc_ValueError, "Express: a block collective has one step, reads x and writes out "
+                                          "(but a gather's other ranks), and has a root");
         return -1;
     }
     if (root < -1 || root >= ((Kernel *)kernel)->size || (root >= 0 && split)) {
@@ -211,11 +213,13 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     void *out_buf = NULL;
     Py_ssize_t out_len = -1;
     if (fits && blocks >= 0) {
-        Blocks b = {blocks, root < 0 ? 0 : root, block, blocks_share((Kernel *)kernel, blocks, dtype_code), NULL};
-        if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) return -1;
-        out_buf = view.buf;
-        out_len = view.len;
-        PyBuffer_Release(&view);
+        Blocks b = {blocks, root, block, blocks_share((Kernel *)kernel, blocks, dtype_code), NULL};
+        if (out != Py_None) {
+            if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) return -1;
+            out_buf = view.buf;
+            out_len = view.len;
+            PyBuffer_Release(&view);
+        }
         fits = blocks_fit((Kernel *)kernel, &b, dtype_code, self->len, out_len);
     }
     if (!fits) {
@@ -245,7 +249,7 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     self->split = split;
     self->root = root;
     self->blocks = blocks;
-    if (blocks >= 0) { Py_INCREF(out); self->out = out; }
+    if (blocks >= 0 && out != Py_None) { Py_INCREF(out); self->out = out; }
     self->out_buf = out_buf;
     self->out_len = out_len;
     self->block = block;
@@ -337,11 +341,12 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     RunArgs a;
     Py_buffer out;
     if (!may_run(self, x, &a.view)) Py_RETURN_NONE;
-    if (self->blocks >= 0 && !out_ready(self, &out)) { PyBuffer_Release(&a.view); Py_RETURN_NONE; }
+    int has_out = self->out != NULL;  /* (a block collective's; none on a gather's other ranks) */
+    if (has_out && !out_ready(self, &out)) { PyBuffer_Release(&a.view); Py_RETURN_NONE; }
     uint64_t last;
     if (get_count(self->arena, S_step, &a.step) < 0 || get_count(self->dispatcher, S_sequence, &last) < 0) {
         PyBuffer_Release(&a.view);
-        if (self->blocks >= 0) PyBuffer_Release(&out);
+        if (has_out) PyBuffer_Release(&out);
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -349,7 +354,7 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     if (number == NULL || take_number(self, number, last + 1) < 0) {  /* (only out of memory) */
         Py_XDECREF(number);
         PyBuffer_Release(&a.view);
-        if (self->blocks >= 0) PyBuffer_Release(&out);
+        if (has_out) PyBuffer_Release(&out);
         return NULL;
     }
     a.dtype = self->dtype_code;
@@ -365,8 +370,8 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     kernel->busy++;
     long state;
     if (self->blocks >= 0) {
-        Blocks b = {self->blocks, self->root < 0 ? 0 : self->root, self->block,
-                    blocks_share(kernel, self->blocks, a.dtype), out.buf};
+        Blocks b = {self->blocks, self->root, self->block, blocks_share(kernel, self->blocks, a.dtype),
+                    has_out ? out.buf : NULL};
         state = step_blocks(kernel, &a, &b);
     } else {
         state = self->root >= 0 ? step_broadcast(kernel, &a, self->root)
@@ -375,7 +380,7 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     step_over(kernel);
     Py_DECREF(kernel);
     PyBuffer_Release(&a.view);
-    if (self->blocks >= 0) PyBuffer_Release(&out);
+    if (has_out) PyBuffer_Release(&out);
     if (state != DONE) {  /* the Python path takes the call over where the kernel left it */
         Py_DECREF(number);
         Py_CLEAR(self->gate->kernel);  /* no express call until Python has dealt with this one */

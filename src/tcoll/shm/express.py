@@ -35,13 +35,17 @@ import numpy as np
 
 from .kernel_abi import KERNEL_DTYPES, kernel_module
 
-__all__ = ["HANDED_OVER", "NOTHING", "new_gate", "build", "forget_all"]
+__all__ = ["HANDED_OVER", "NO_RESULT", "NOTHING", "new_gate", "build", "forget_all"]
 
 # What an express call returns when it began the call and the Python path must go on with it.
 HANDED_OVER = kernel_module.HANDED_OVER if kernel_module is not None else object()
 
 _COLLECTIVES = ("all_reduce", "reduce", "broadcast", "barrier")
-_BLOCKS = {"all_gather": "ALL_GATHER", "all_to_all": "ALL_TO_ALL", "reduce_scatter": "REDUCE_SCATTER"}
+_BLOCKS = {"all_gather": "ALL_GATHER", "gather": "GATHER", "all_to_all": "ALL_TO_ALL",
+           "reduce_scatter": "REDUCE_SCATTER"}
+# What an express gather returns on its other ranks, where the call's result is None (None from an express
+# call means it did not run): the callers (tcoll.comm.plans) return None for it.
+NO_RESULT = object()
 NOTHING = np.empty(0, dtype=np.uint8)  # a barrier's buffer: a broadcast of no bytes (its step in the C kernel)
 
 
@@ -125,8 +129,8 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
 
 
 def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
-    """The express call of a blocking all_gather, all_to_all or reduce_scatter on array `x` into a fixed
-    output (the caller's `out`, or a plan's), or None.
+    """The express call of a blocking all_gather, gather, all_to_all or reduce_scatter on array `x` into a fixed
+    output (the caller's `out`, or a plan's; none on a gather's other ranks), or None.
 
     Only a call the arena's kernel runs in one step (tcoll.shm.blocks._in_kernel) takes it, reading `x` itself
     (not a copy of it: an input that overlaps the output is copied at every call), with a built-in op the
@@ -143,10 +147,15 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
             or info is None or not info.direct or info.name != "shm" or prepared.async_op or prepared.finishes
             or type(x) is not np.ndarray):
         return None
-    collective, size = call.collective, arena.size
-    if collective == "all_gather":
-        send = call.staged[1]
+    collective, size, root = call.collective, arena.size, call.root or 0
+    result, out = call.result, call.result
+    if collective in ("all_gather", "gather"):
+        send = call.staged[1] if collective == "all_gather" else call.args[0]
         block, share, codes = send.nbytes, arena.slot_bytes, (KERNEL_DTYPES[np.dtype(np.uint8)], 0)
+        if collective == "gather" and (block * size >= ZERO_COPY_BYTES or dispatcher.rank != root):
+            if block * size >= ZERO_COPY_BYTES:
+                return None
+            result, out = NO_RESULT, None  # (nothing comes back on the other ranks)
     else:
         send = call.args[0]
         block = send.nbytes // size
@@ -158,11 +167,11 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
         if codes is None or block * size >= ZERO_COPY_BYTES or len(set(call.args[2])) != 1:
             return None
     if (send.nbytes != x.nbytes or send.__array_interface__["data"][0] != x.__array_interface__["data"][0]
-            or _steps([block], share) != 1 or not isinstance(call.result, np.ndarray)):
+            or _steps([block], share) != 1 or not (isinstance(out, np.ndarray) or result is NO_RESULT)):
         return None
     agreement = dispatcher.agreement
     return kernel_module.Express(
-        agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
+        agreement.gate, arena.kernel, x, result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], False,
-        False, arena.kernel_spin_ns, arena.kernel_yields, -1, getattr(kernel_module, "BLOCKS_" + _BLOCKS[collective]),
-        call.result, block)
+        False, arena.kernel_spin_ns, arena.kernel_yields, root, getattr(kernel_module, "BLOCKS_" + _BLOCKS[collective]),
+        out, block)
