@@ -189,3 +189,39 @@ def test_another_call_on_one_rank_is_an_error_on_every_rank(how: str) -> None:
     for rank, (said, after_ok) in enumerate(results):
         assert "where rank" in said or "disagree" in said, (how, rank, said)
         assert after_ok, (how, rank)
+
+
+def new_outputs(comm: tcoll.Communicator, name: str) -> tuple[list[str], int]:
+    """Calls without out: a new array every call (earlier results keep their values), NumPy's result, and the
+    calls run express into the remembered call's own output."""
+    p, me = comm.size, comm.rank
+    x = np.zeros((p, 3), np.int32)
+    send = x[0] if name in ("all_gather", "gather") else x
+    kept, bad = [], []
+    for call in range(12):
+        x[...] = (np.arange(p * 3).reshape(p, 3) + 10 * me + call)
+        inputs = [(np.arange(p * 3).reshape(p, 3) + 10 * q + call).astype(np.int32) for q in range(p)]
+        got = (comm.gather(send, ROOT) if name == "gather" else comm.all_gather(send) if name == "all_gather"
+               else comm.all_to_all(x) if name == "all_to_all" else comm.reduce_scatter(x))
+        want = _expected(name, inputs, me)
+        if want is None:
+            if got is not None:
+                bad.append(f"rank {me}: {name} off root gave {got!r}")
+            continue
+        if any(got is old or np.shares_memory(got, old) for old, _ in kept) or not np.array_equal(got, want):
+            bad.append(f"rank {me} call {call}: {name}")
+        kept.append((got, want.copy()))
+    bad += [f"rank {me}: an earlier {name} result changed" for got, want in kept if not np.array_equal(got, want)]
+    keys = {"all_gather": ("all_gather", "auto"), "gather": ("gather", ROOT, "auto"), "all_to_all": (name, "auto"),
+            "reduce_scatter": ("reduce_scatter", "sum", "auto")}
+    entry = comm.core.dispatch.lean.get((id(send), id(None), *keys[name]))
+    return bad, getattr(getattr(entry, "express", None), "completed", 0)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["all_gather", "gather", "all_to_all", "reduce_scatter"])
+def test_calls_without_out_return_a_new_array_each_time(name: str) -> None:
+    results = tcoll.spawn(new_outputs, 2, (name,), timeout=50, transport="shm")
+    assert not [f for bad, _ in results for f in bad], results
+    assert all(express > 0 for _, express in results), results

@@ -17,7 +17,7 @@ from ..errors import MismatchError
 from . import describe
 from .calls import Call, Program, numbered
 from .checks import apart, check_peer, output, stacked_chunks
-from .plans import MISS, again, lean_run
+from .plans import MISS, again, again_into, lean_run, lean_run_into
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -77,8 +77,8 @@ def all_gather(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
         ValueError: out has the wrong shape or dtype; x not contiguous.
         TypeError: x or out is not a buffer.
     """
-    if out is not None and not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
-        result = again(comm, (id(x), id(out), "all_gather", algorithm), x)
+    if not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        result = again_into(comm, (id(x), id(out), "all_gather", algorithm), x, out)
         if result is not MISS:
             return result
     return _all_gather(comm, x, out, algorithm=algorithm, async_op=async_op)
@@ -98,11 +98,11 @@ def _all_gather(comm: Communicator, x: Any, out: Any, *, algorithm: str, async_o
 
 
 def _run(comm: Communicator, call: Call, async_op: bool, x: Any, out: Any, key: Any) -> Any:
-    """Dispatch a checked call that reads `x` and writes `out`: remembered for the lean path (tcoll.comm.plans)
-    when it is blocking and the caller gave `out`, so that the same arrays skip the checks next time."""
-    if async_op or out is None:
+    """Dispatch a checked call that reads `x` and writes `out` (None: a new array): a blocking one is remembered
+    for the lean path (tcoll.comm.plans), so that the same arrays skip the checks next time."""
+    if async_op:
         return comm.core.dispatch.run(call, async_op)
-    return lean_run(comm.core.dispatch, key, x, call, out)
+    return lean_run_into(comm.core.dispatch, key, x, call, out)
 
 
 def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
@@ -123,8 +123,8 @@ def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algori
         ValueError: root out of range; out has the wrong shape or dtype.
         TypeError: x or out is not a buffer.
     """
-    if not async_op and (out is not None or comm.rank != root):  # as a recent call (tcoll.comm.plans)
-        result = again(comm, (id(x), id(out), "gather", root, algorithm), x)
+    if not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        result = again_into(comm, (id(x), id(out), "gather", root, algorithm), x, out)
         if result is not MISS:
             return result
     return _gather(comm, x, root, out, algorithm=algorithm, async_op=async_op)
@@ -144,10 +144,10 @@ def _gather(comm: Communicator, x: Any, root: int, out: Any, *, algorithm: str, 
         copies = ((out_flat[root * count:(root + 1) * count], send),)
     call = Call("gather", (send, out_flat, [count] * comm.size, root), arr.nbytes, algorithm=algorithm,
                 result=user_out, dtype=arr.dtype, count=count, root=root, copies=copies)
-    if async_op or (out is None and comm.rank == root):  # (a new output at every call: nothing to remember)
+    if async_op:
         return comm.core.dispatch.run(call, async_op)
-    return lean_run(comm.core.dispatch, (id(x), id(out), "gather", root, algorithm), x, call,
-                    out if comm.rank == root else None, reads_only=True)
+    return lean_run_into(comm.core.dispatch, (id(x), id(out), "gather", root, algorithm), x, call,
+                         out if comm.rank == root else None, reads_only=True)
 
 
 @numbered("scatter")
@@ -228,8 +228,8 @@ def all_to_all(comm: Communicator, x: Any, out: Any = None, *, algorithm: str = 
     Raises:
         ValueError: x.shape[0] != size; out has the wrong shape or dtype.
     """
-    if out is not None and not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
-        result = again(comm, (id(x), id(out), "all_to_all", algorithm), x)
+    if not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        result = again_into(comm, (id(x), id(out), "all_to_all", algorithm), x, out)
         if result is not MISS:
             return result
     return _all_to_all(comm, x, out, algorithm=algorithm, async_op=async_op)

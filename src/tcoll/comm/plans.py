@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from .communicator import Communicator
     from .dispatch import Dispatcher
 
-__all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "MISS", "again", "lean_run", "lean_again"]
+__all__ = ["Plan", "initializer", "LEAN_BYTES", "LEAN_ENTRIES", "MISS", "again", "again_into", "lean_run",
+           "lean_run_into", "lean_again"]
 
 LEAN_BYTES = 1 << 20  # buffers up to this size take the lean path: above it the call's bookkeeping is noise
 LEAN_ENTRIES = 32
@@ -253,6 +254,25 @@ def lean_run(dispatcher: Dispatcher, key: Any, x: Any, call: Call, out: Any = No
     result = dispatcher.run_prepared(prepared)
     _renew_express(dispatcher, entry, prepared, x, make=False)
     return result
+
+
+def lean_run_into(dispatcher: Dispatcher, key: Any, x: Any, call: Call, out: Any, reads_only: bool = False) -> Any:
+    """lean_run for a blocking call that writes an output: the caller's `out`, or (None) the new array the call
+    made, which the remembered call keeps as its own output (the next calls run into it) and a copy of which
+    goes back, so that every call still returns a new array. A gather's other ranks write nothing."""
+    result = call.result
+    private = out is None and isinstance(result, np.ndarray)
+    if dispatcher.capturing or (private and (type(x) is not np.ndarray or result.nbytes > LEAN_BYTES)):
+        return dispatcher.run(call)
+    done = lean_run(dispatcher, key, x, call, result if private else out, reads_only)
+    return done.copy() if private else done
+
+
+def again_into(comm: Communicator, key: Any, x: Any, out: Any) -> Any:
+    """again() for a call remembered by lean_run_into: a copy of the remembered output where the caller gave no
+    `out` (a new array every call), else the caller's out; MISS if none fits."""
+    result = again(comm, key, x)
+    return result.copy() if out is None and isinstance(result, np.ndarray) else result
 
 
 def again(comm: Communicator, key: Any, x: Any) -> Any:

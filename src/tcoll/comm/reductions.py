@@ -19,7 +19,7 @@ from ..ops import Op
 from ..shm.express import NOTHING
 from .calls import Call, numbered
 from .checks import apart, check_peer, output, reduction_input, row_counts
-from .plans import MISS, again, lean_run
+from .plans import MISS, again, again_into, lean_run, lean_run_into
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -117,8 +117,8 @@ def reduce_scatter(comm: Communicator, x: Any, op: str | Op = "sum", out: Any = 
         ValueError: x.shape[0] does not divide by size; out has the wrong shape or dtype.
         TypeError: the op does not apply to the dtype.
     """
-    if out is not None and not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
-        result = again(comm, (id(x), id(out), "reduce_scatter", op, algorithm), x)
+    if not async_op:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        result = again_into(comm, (id(x), id(out), "reduce_scatter", op, algorithm), x, out)
         if result is not MISS:
             return result
     return _reduce_scatter_checked(comm, x, op, out, algorithm=algorithm, async_op=async_op)
@@ -135,7 +135,7 @@ def _reduce_scatter_checked(comm: Communicator, x: Any, op: str | Op, out: Any, 
     part_shape = (arr.shape[0] // comm.size, *arr.shape[1:])
     user_out, out_flat = output(x, arr, out, part_shape, "reduce_scatter")
     counts = [out_flat.size] * comm.size
-    key = (id(x), id(out), "reduce_scatter", op, algorithm) if out is not None else None
+    key = (id(x), id(out), "reduce_scatter", op, algorithm)
     return _reduce_scatter(comm, "reduce_scatter", apart(arr.reshape(-1), out_flat), out_flat, user_out, counts,
                            resolved, algorithm, async_op, (x, out, key))
 
@@ -179,10 +179,10 @@ def _reduce_scatter(comm: Communicator, label: str, send: np.ndarray, out_flat: 
     call = Call("reduce_scatter", (send, out_flat, counts, op), send.nbytes, label=label, op=op,
                 itemsize=send.itemsize, uneven=len(set(counts)) > 1, algorithm=algorithm, result=user_out,
                 finish_buf=out_flat, dtype=send.dtype, count=send.size)
-    if async_op or lean is None or lean[2] is None:
+    if async_op or lean is None:
         return comm.core.dispatch.run(call, async_op)
     x, out, key = lean
-    return lean_run(comm.core.dispatch, key, x, call, out)
+    return lean_run_into(comm.core.dispatch, key, x, call, out)
 
 
 @numbered("barrier")
