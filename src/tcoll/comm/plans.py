@@ -27,8 +27,10 @@ repeat: all_reduce, reduce, broadcast and barrier keep the prepared call of
 up to LEAN_ENTRIES recent buffers of at most LEAN_BYTES, keyed by the
 buffer's identity and the call's arguments and re-validated by shape, dtype
 and flags at each call (a cached buffer stays referenced until it drops out).
-An all_reduce, reduce, broadcast or barrier that the arena's C kernel runs goes
-further: once it has run again in Python, its later calls run whole in one C
+all_gather, gather, all_to_all and reduce_scatter are keyed by their input and
+their output; one called without `out` keeps the output its first run made as
+its own, runs into it, and returns a copy each time (lean_run_into).
+A call that the arena's C kernel runs goes further: once it has run again in Python, its later calls run whole in one C
 call (tcoll.shm.express) while nothing is pending that Python must look at; a
 plan of one does too. (Not after its first run: a buffer seen once, as a torch
 tensor's new NumPy view at every call is, gets no express call it would never use.)

@@ -1,4 +1,5 @@
-/* The one-step shared-memory reduction of tcoll's arena, in C: the hot path of small calls.
+/* The one-step shared-memory reduction of tcoll's arena, in C: the hot path of small calls (and the one step
+ * of small block collectives: step_blocks, below).
  *
  * tcoll.shm.vector's small all_reduce / reduce is one arena step: claim the
  * step, describe the call, copy this rank's vector into its slot, publish,

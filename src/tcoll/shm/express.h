@@ -1,7 +1,8 @@
-/* The express call: an ordinary blocking reduction or broadcast repeated on the same buffer, whole, in one C call.
+/* The express call: an ordinary blocking reduction, broadcast or block collective repeated on the same buffers, whole,
+ * in one C call.
  *
- * Included by _arena_kernel.c after the steps it runs (step_small, step_split, step_broadcast). tcoll.shm.express says
- * when a call may take it and builds it; this file is what runs.
+ * Included by _arena_kernel.c after the steps it runs (step_small, step_split, step_broadcast, step_blocks).
+ * tcoll.shm.express says when a call may take it and builds it; this file is what runs.
  *
  * A repeated `comm.all_reduce(x)` on a small array spends about two microseconds in Python around the
  * half microsecond of its arena step: numbering, registering the call with the agreement, describing
@@ -432,7 +433,7 @@ static PyTypeObject ExpressType = {
     .tp_name = "tcoll.shm._arena_kernel.Express",
     .tp_basicsize = sizeof(Express),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A repeated blocking reduction, broadcast or barrier on the arena, whole in one C call (express.h).",
+    .tp_doc = "A repeated blocking reduction, broadcast, barrier or block collective on the arena, whole in one C call.",
     .tp_methods = Express_methods,
     .tp_members = Express_members,
     .tp_init = (initproc)Express_init,

@@ -1,4 +1,8 @@
-"""The express path: a repeated blocking all_reduce, reduce or broadcast on the same array, whole, in one C call.
+"""The express path: a repeated blocking call on the same arrays, whole, in one C call.
+
+The calls it takes: all_reduce, reduce, broadcast and barrier on one array, and
+the block collectives (all_gather, gather, all_to_all, reduce_scatter) from one
+input into one output, each where the arena's kernel runs the call's steps.
 
 An ordinary blocking call on a small array is its arena step (half a
 microsecond on two ranks) inside about two microseconds of Python: checks,
