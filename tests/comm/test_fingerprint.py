@@ -117,8 +117,17 @@ def _lambdas(comm: tcoll.Communicator) -> Any:
     return comm.all_reduce(np.full(4, 2.0), op=op)
 
 
+def _counts(comm: tcoll.Communicator) -> Any:
+    """reduce_scatterv of one vector, cut by another counts list on the last rank (the same total)."""
+    counts = [1] * comm.size
+    counts[0] += 1
+    if comm.rank == comm.size - 1:
+        counts[0], counts[-1] = counts[-1], counts[0]
+    return comm.reduce_scatterv(np.arange(comm.size + 1, dtype=np.float32), counts)
+
+
 SCENARIOS: dict[str, Callable[[tcoll.Communicator], Any]] = {
-    "datetimes": _datetimes, "records": _records, "bytes": _bytes, "lambdas": _lambdas,
+    "datetimes": _datetimes, "records": _records, "bytes": _bytes, "lambdas": _lambdas, "counts": _counts,
 }
 
 

@@ -225,3 +225,38 @@ def test_calls_without_out_return_a_new_array_each_time(name: str) -> None:
     results = tcoll.spawn(new_outputs, 2, (name,), timeout=50, transport="shm")
     assert not [f for bad, _ in results for f in bad], results
     assert all(express > 0 for _, express in results), results
+
+
+def changed_in_place(comm: tcoll.Communicator, how: str) -> str:
+    """Express all_gathers / all_to_alls, then one array changed in place (no other call in between): the next
+    call sees it as the checks do."""
+    p, me = comm.size, comm.rank
+    x, out = np.arange(4, dtype=np.int64) + me, np.zeros((p, 4), np.int64)
+    row = np.zeros(2, np.int64) + me
+    for _ in range(6):
+        comm.all_gather(x, out=out)
+        got = comm.all_gather(row)  # (no out: the remembered call's own output, copied)
+    try:
+        if how == "out dtype":
+            out.dtype = np.float64
+            return repr(comm.all_gather(x, out=out).dtype)
+        if how == "out shape":
+            out.shape = (p * 4,)
+            return repr(comm.all_gather(x, out=out).shape)
+        if how == "x shape":
+            row.shape = (2, 1)
+            return repr(comm.all_gather(row).shape)
+        return repr(got.shape)
+    except ValueError as exc:
+        return "ValueError: " + str(exc)[:60]
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how,want", [("out dtype", "ValueError"), ("out shape", "ValueError"),
+                                      ("x shape", "(2, 2, 1)")])
+def test_an_array_changed_in_place_is_seen(how: str, want: str) -> None:
+    """A dtype or shape set in place on an array an express call was made for: the checks' error, or the
+    result's new shape, never a run on the stale binding."""
+    results = tcoll.spawn(changed_in_place, 2, (how,), timeout=50, transport="shm")
+    assert all(said.startswith(want) for said in results), results

@@ -14,7 +14,7 @@ side called:
                bits 16-23  the dtype (0: none; a code of its own for each built-in NumPy type, each
                            datetime64 and timedelta64 unit, (value, index) pairs; 255: any other)
                bits 24-28  the algorithm (its index in the registry, plus 1; 31: unknown)
-               bits 29-52  the root (0 for calls without one)
+               bits 29-52  the root (0 for calls without one; a reduce_scatterv: a digest of its counts)
                bits 53-62  10 more bits of a user op's identity
                bit  63     NOTICE: a control message about the call (see tcoll.comm.dispatch)
     high word  bits  0-35  the element count of this rank's part, modulo 2**36 (0: not compared)
@@ -41,7 +41,7 @@ import numpy as np
 from ..ops import OPS, Op
 from .registry import COLLECTIVES, REGISTRY
 
-__all__ = ["LABELS", "NOTICE", "MASK", "stamp", "describe", "differences"]
+__all__ = ["LABELS", "NOTICE", "MASK", "stamp", "counts_digest", "describe", "differences"]
 
 # The calls a user makes (append only: codes are positions).
 LABELS = (
@@ -83,6 +83,12 @@ def stamp(label: str, collective: str, op: Op | None, dtype: np.dtype | None, co
            | (root & ((1 << _ROOT_BITS) - 1)) << 29 | op_low << 53)
     high = count & ((1 << _COUNT_BITS) - 1) | op_high << 36 | dtype_digest << 44
     return low | high << 64
+
+
+def counts_digest(counts: list[int]) -> int:
+    """24 bits of a digest of a per-rank counts list, for the root field of a call that takes one (reduce_scatterv)."""
+    digest = hashlib.blake2b(repr([int(n) for n in counts]).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & ((1 << _ROOT_BITS) - 1)
 
 
 # What this process made stamps of, to name them in errors: user ops and other dtypes by their digest bits.
@@ -207,6 +213,8 @@ def describe(value: int, keys: tuple[str, ...] | None = None) -> str:
             parts.append(f"op={item}")
         elif key == "root" and (item or "root" in (keys or ())) and fields["call"] in _ROOTED:
             parts.append(f"root={item}")
+        elif key == "root" and item and fields["call"] == "reduce_scatterv":
+            parts.append(f"counts #{item:06x}")
         elif key == "dtype" and item:
             parts.append(str(item))
         elif key == "count" and (item or keys):

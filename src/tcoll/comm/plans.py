@@ -264,7 +264,7 @@ def lean_run_into(dispatcher: Dispatcher, key: Any, x: Any, call: Call, out: Any
     goes back, so that every call still returns a new array. A gather's other ranks write nothing."""
     result = call.result
     private = out is None and isinstance(result, np.ndarray)
-    if dispatcher.capturing or (private and (type(x) is not np.ndarray or result.nbytes > LEAN_BYTES)):
+    if dispatcher.capturing or (private and (type(x) is not np.ndarray or max(x.nbytes, result.nbytes) > LEAN_BYTES)):
         return dispatcher.run(call)
     done = lean_run(dispatcher, key, x, call, result if private else out, reads_only)
     return done.copy() if private else done

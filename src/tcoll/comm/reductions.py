@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..algos.stamps import counts_digest
 from ..ops import Op
 from ..shm.express import NOTHING
 from .calls import Call, numbered
@@ -160,6 +161,7 @@ def reduce_scatterv(comm: Communicator, x: Any, counts: Sequence[int], op: str |
         ValueError: counts is not `size` non-negative integers summing to x.shape[0]; out has
             the wrong shape or dtype; the algorithm needs equal counts.
         TypeError: the op does not apply to the dtype.
+        MismatchError: (on every rank) the ranks' counts lists differ.
     """
     arr, resolved = reduction_input(x, op, "reduce_scatterv buffer", writable=False)
     if arr.ndim == 0:
@@ -176,9 +178,12 @@ def _reduce_scatter(comm: Communicator, label: str, send: np.ndarray, out_flat: 
                     lean: tuple[Any, Any, Any] | None = None) -> Any:
     """Dispatch a checked reduce_scatter(v); `lean`: (x, out, key) of a blocking call the caller gave `out`
     for, remembered for the lean path (tcoll.comm.plans)."""
+    # A reduce_scatterv's stamp carries a digest of its counts where others carry a root: ranks whose lists
+    # differ would otherwise cut the same vector differently and each get a wrong part, silently.
+    root = counts_digest(counts) if label == "reduce_scatterv" else 0
     call = Call("reduce_scatter", (send, out_flat, counts, op), send.nbytes, label=label, op=op,
                 itemsize=send.itemsize, uneven=len(set(counts)) > 1, algorithm=algorithm, result=user_out,
-                finish_buf=out_flat, dtype=send.dtype, count=send.size)
+                finish_buf=out_flat, dtype=send.dtype, count=send.size, root=root)
     if async_op or lean is None:
         return comm.core.dispatch.run(call, async_op)
     x, out, key = lean

@@ -509,10 +509,16 @@ static int blocks_out(const Kernel *k, const RunArgs *a, const Blocks *b) {
 static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
     if (self->size > MAX_KERNEL_RANKS || (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield)))
         return NOT_STARTED;
+    int unlocked = b->block * self->size >= COPY_UNLOCKED;  /* large copies let other threads (thread ranks) run */
+    PyThreadState *saved = unlocked ? PyEval_SaveThread() : NULL;
     publish_blocks(self, a, b);
-    if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step) || !blocks_out(self, a, b))
+    if (saved != NULL) PyEval_RestoreThread(saved);
+    if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step))
         return PUBLISHED;
-    return DONE;
+    saved = unlocked ? PyEval_SaveThread() : NULL;
+    int done = blocks_out(self, a, b);
+    if (saved != NULL) PyEval_RestoreThread(saved);
+    return done ? DONE : PUBLISHED;
 }
 
 /* run_blocks(send, out, kind, block, root, dtype, op, step, stamp, sequence, spin_ns, yield): step_blocks, `out`

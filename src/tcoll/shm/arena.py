@@ -242,7 +242,7 @@ class Arena:
             kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the reduction are
             left to the caller; NOT_STARTED: nothing happened (the caller runs the step in Python).
         """
-        return self._kernel_step("run", (buf, dtype, op), (want,))
+        return self.kernel_step("run", (buf, dtype, op), (want,))
 
     def run_split(self, buf: np.ndarray, dtype: int, op: int, want: bool) -> int:
         """A call that fits a slot, in the kernel's three steps (tcoll.shm.vector._reduce_split).
@@ -252,7 +252,7 @@ class Arena:
             not yet copied out; PUBLISHED: only the first step is (`agree` and the rest are the caller's);
             NOT_STARTED.
         """
-        return self._kernel_step("run_split", (buf, dtype, op), (want,), _SPLIT_STEPS_TAKEN)
+        return self.kernel_step("run_split", (buf, dtype, op), (want,), _SPLIT_STEPS_TAKEN)
 
     def run_broadcast(self, buf: np.ndarray, root: int) -> int:
         """A broadcast that fits a slot, in the kernel's one step (tcoll.shm.vector.broadcast).
@@ -261,22 +261,10 @@ class Arena:
             kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the copy out of root's slot
             are the caller's; NOT_STARTED.
         """
-        return self._kernel_step("run_broadcast", (buf, root), ())
+        return self.kernel_step("run_broadcast", (buf, root), ())
 
-    def run_blocks(self, send: np.ndarray, out: np.ndarray | None, kind: int, block: int, root: int = 0,
-                   dtype: int = 0, op: int = 0) -> int:
-        """An all_gather's, gather's, all_to_all's or reduce_scatter's one step in the kernel (`kind`: its
-        BLOCKS_* code; `block`: bytes per rank; dtype and op: a reduce_scatter's codes), laid out as
-        tcoll.shm.blocks lays it.
-
-        Returns:
-            kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the copies (or the
-            reduction) out of the slots are the caller's; NOT_STARTED.
-        """
-        return self._kernel_step("run_blocks", (send, out, kind, block, root, dtype, op), ())
-
-    def _kernel_step(self, method: str, head: tuple[Any, ...], tail: tuple[Any, ...],
-                     taken: dict[int, int] | None = None) -> int:
+    def kernel_step(self, method: str, head: tuple[Any, ...], tail: tuple[Any, ...],
+                    taken: dict[int, int] | None = None) -> int:
         """Run the kernel's `method` (head, the step and the call, tail) from this step, or take the state an
         express call of this call left; move the step on by the steps taken (`taken` by state; else one)."""
         step = self.step

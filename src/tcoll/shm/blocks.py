@@ -58,7 +58,8 @@ def _in_kernel(arena: Arena, kind: str, send: np.ndarray, out: np.ndarray | None
     if (arena.kernel is None or not one_step or not nbytes or min(nbytes) != max(nbytes)
             or (kind != "ALL_GATHER" and sum(nbytes) >= ZERO_COPY_BYTES)):
         return NOT_STARTED
-    return arena.run_blocks(send, out, getattr(kernel_module, "BLOCKS_" + kind), nbytes[0], root, *codes)
+    code = getattr(kernel_module, "BLOCKS_" + kind)
+    return arena.kernel_step("run_blocks", (send, out, code, nbytes[0], root, *codes), ())
 
 
 def _write_shares(slot: np.ndarray, raw: np.ndarray, nbytes: list[int], disp: list[int], lo: int, share: int,

@@ -114,6 +114,7 @@ typedef struct {
     int root;             /* a broadcast's root (its one step: step_broadcast); -1: a reduction */
     int blocks;           /* a block collective's kind (its one step: step_blocks), or -1 */
     PyObject *out;        /* ... its output array, the same object every time (NULL: none) */
+    PyObject *shape, *out_shape, *out_dtype;  /* ... x's shape, out's shape and dtype then (they decide the result) */
     void *out_buf;
     Py_ssize_t out_len, block;
     uint64_t stamp_low, stamp_high, spin_ns, generation;
@@ -126,7 +127,7 @@ typedef struct {
  * changed: tcoll.shm.vector.set_one_step_limit); the Python path makes new ones. */
 static uint64_t express_generation = 1;
 
-static PyObject *S_dtype, *S_step, *S_first, *S_pending, *S_sequence, *S_current, *S_high;
+static PyObject *S_shape, *S_dtype, *S_step, *S_first, *S_pending, *S_sequence, *S_current, *S_high;
 static PyObject *HANDED_OVER;  /* what run() returns when the Python path must go on with the call */
 
 static int Express_traverse(Express *self, visitproc visit, void *arg) {
@@ -143,6 +144,9 @@ static int Express_traverse(Express *self, visitproc visit, void *arg) {
     Py_VISIT(self->calls);
     Py_VISIT(self->said);
     Py_VISIT(self->out);
+    Py_VISIT(self->shape);
+    Py_VISIT(self->out_shape);
+    Py_VISIT(self->out_dtype);
     return 0;
 }
 
@@ -160,6 +164,9 @@ static int Express_clear(Express *self) {
     Py_CLEAR(self->calls);
     Py_CLEAR(self->said);
     Py_CLEAR(self->out);
+    Py_CLEAR(self->shape);
+    Py_CLEAR(self->out_shape);
+    Py_CLEAR(self->out_dtype);
     return 0;
 }
 
@@ -250,7 +257,16 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     self->split = split;
     self->root = root;
     self->blocks = blocks;
-    if (blocks >= 0 && out != Py_None) { Py_INCREF(out); self->out = out; }
+    if (blocks >= 0) {  /* a block call's result depends on the arrays' shapes too: kept, and compared at each run */
+        if ((self->shape = PyObject_GetAttr(x, S_shape)) == NULL) return -1;
+        if (out != Py_None) {
+            Py_INCREF(out);
+            self->out = out;
+            if ((self->out_shape = PyObject_GetAttr(out, S_shape)) == NULL ||
+                (self->out_dtype = PyObject_GetAttr(out, S_dtype)) == NULL)
+                return -1;
+        }
+    }
     self->out_buf = out_buf;
     self->out_len = out_len;
     self->block = block;
@@ -279,9 +295,19 @@ static int set_count(PyObject *obj, PyObject *name, uint64_t value) {
     return rc;
 }
 
+/* Whether obj.shape equals `shape` (no error set either way). */
+static int same_shape(PyObject *obj, PyObject *shape) {
+    PyObject *now = PyObject_GetAttr(obj, S_shape);
+    if (now == NULL) { PyErr_Clear(); return 0; }
+    int same = PyObject_RichCompareBool(now, shape, Py_EQ);
+    Py_DECREF(now);
+    if (same < 0) { PyErr_Clear(); return 0; }
+    return same;
+}
+
 /* Whether the call may run now: the gate is open on this express call's kernel, nothing waits in the
- * agreement, and `x` is the array it was made for, as it was (dtype, address, length; writable if the
- * result goes into it). The view is acquired when it returns 1. */
+ * agreement, and `x` is the array it was made for, as it was (dtype, address, length, and a block call's
+ * shape; writable if the result goes into it). The view is acquired when it returns 1. */
 static int may_run(Express *self, PyObject *x, Py_buffer *view) {
     Gate *gate = self->gate;
     if (x != self->x || gate->kernel != self->kernel || self->kernel->retired || PyDict_GET_SIZE(gate->early) ||
@@ -290,7 +316,7 @@ static int may_run(Express *self, PyObject *x, Py_buffer *view) {
     PyObject *dtype = PyObject_GetAttr(x, S_dtype);
     if (dtype == NULL) { PyErr_Clear(); return 0; }
     Py_DECREF(dtype);  /* (compared by identity only: self->dtype holds its own reference) */
-    if (dtype != self->dtype) return 0;
+    if (dtype != self->dtype || (self->shape != NULL && !same_shape(x, self->shape))) return 0;
     if (PyObject_GetBuffer(x, view, self->want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {  /* read-only now */
         PyErr_Clear();
         return 0;
@@ -299,9 +325,13 @@ static int may_run(Express *self, PyObject *x, Py_buffer *view) {
     return 1;
 }
 
-/* A block collective's output, as it was when the call was bound (writable, same address and length); the
- * view is acquired when it returns 1. */
+/* A block collective's output, as it was when the call was bound (writable, same dtype, shape, address and
+ * length); the view is acquired when it returns 1. */
 static int out_ready(Express *self, Py_buffer *view) {
+    PyObject *dtype = PyObject_GetAttr(self->out, S_dtype);
+    if (dtype == NULL) { PyErr_Clear(); return 0; }
+    Py_DECREF(dtype);  /* (compared by identity only) */
+    if (dtype != self->out_dtype || !same_shape(self->out, self->out_shape)) return 0;
     if (PyObject_GetBuffer(self->out, view, PyBUF_WRITABLE) < 0) { PyErr_Clear(); return 0; }
     if (view->buf != self->out_buf || view->len != self->out_len) { PyBuffer_Release(view); return 0; }
     return 1;
@@ -446,13 +476,14 @@ static PyTypeObject ExpressType = {
 /* Ready the two types and the attribute names; add the types to module `m`. */
 static int add_express(PyObject *m) {
     S_dtype = PyUnicode_InternFromString("dtype");
+    S_shape = PyUnicode_InternFromString("shape");
     S_step = PyUnicode_InternFromString("step");
     S_first = PyUnicode_InternFromString("first");
     S_pending = PyUnicode_InternFromString("pending");
     S_sequence = PyUnicode_InternFromString("sequence");
     S_current = PyUnicode_InternFromString("current");
     S_high = PyUnicode_InternFromString("high");
-    if (!S_dtype || !S_step || !S_first || !S_pending || !S_sequence || !S_current || !S_high) return -1;
+    if (!S_dtype || !S_shape || !S_step || !S_first || !S_pending || !S_sequence || !S_current || !S_high) return -1;
     HANDED_OVER = PyUnicode_InternFromString("handed over");  /* (a constant of the module: compared by identity) */
     if (HANDED_OVER == NULL || PyModule_AddObjectRef(m, "HANDED_OVER", HANDED_OVER) < 0) return -1;
     if (PyType_Ready(&GateType) < 0 || PyType_Ready(&ExpressType) < 0) return -1;

@@ -151,7 +151,8 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
             or info is None or not info.direct or info.name != "shm" or prepared.async_op or prepared.finishes
             or type(x) is not np.ndarray):
         return None
-    collective, size, root = call.collective, arena.size, call.root or 0
+    collective, size = call.collective, arena.size
+    root = call.root if collective == "gather" else 0  # (a reduce_scatterv's root field is a digest)
     result, out = call.result, call.result
     if collective in ("all_gather", "gather"):
         send = call.staged[1] if collective == "all_gather" else call.args[0]
