@@ -435,6 +435,31 @@ def check_repeated_all_reduce(rank: int, size: int) -> None:
              f"all_reduce of fresh tensor {i}")
 
 
+def check_repeated_gathers(rank: int, size: int) -> None:
+    """all_gather_into_tensor and reduce_scatter_tensor again and again on the same tensors (the backend keeps
+    their NumPy views, so tcoll repeats the call in C): new contents each time, another dtype over the same
+    memory, a fresh output, and more tensors than views kept."""
+    inp, out = torch.zeros(6), torch.zeros(6 * size)
+    parts, part = torch.zeros(4 * size), torch.zeros(4)
+    for step in range(6):
+        inp.copy_(data(rank, (6,), torch.float32, salt=step))
+        dist.all_gather_into_tensor(out, inp)
+        same(out, torch.cat([data(r, (6,), torch.float32, salt=step) for r in range(size)]), f"all_gather {step}")
+        parts.copy_(data(rank, (4 * size,), torch.float32, salt=step))
+        dist.reduce_scatter_tensor(part, parts)
+        total = expected(R.SUM, [data(r, (4 * size,), torch.float32, salt=step) for r in range(size)], size)
+        same(part, total[4 * rank:4 * rank + 4], f"reduce_scatter {step}")
+    as_int = inp.view(torch.int32)
+    as_int.copy_(data(rank, (6,), torch.int32, salt=9))
+    wide = torch.zeros(6 * size, dtype=torch.int32)
+    dist.all_gather_into_tensor(wide, as_int)
+    same(wide, torch.cat([data(r, (6,), torch.int32, salt=9) for r in range(size)]), "all_gather of an int32 view")
+    for i in range(70):  # more than the views kept; freed tensors' memory comes back as new tensors
+        x, got = data(rank, (2 + i % 3,), torch.float64, salt=i), torch.empty((2 + i % 3) * size, dtype=torch.float64)
+        dist.all_gather_into_tensor(got, x)
+        same(got, torch.cat([data(r, (2 + i % 3,), torch.float64, salt=i) for r in range(size)]), f"fresh {i}")
+
+
 def check_shut_down_group(rank: int, size: int) -> None:
     """A group that was shut down says so, in the fast path of all_reduce too; the world goes on."""
     group = dist.new_group(list(range(size)))
@@ -473,6 +498,7 @@ def collectives_quick(rank: int, size: int, port: int) -> None:
     check_reduce_roots_and_shapes(rank, size)
     check_reductions(rank, size, False)
     check_repeated_all_reduce(rank, size)
+    check_repeated_gathers(rank, size)
     check_movement(rank, size, False)
     check_p2p(rank, size)
     check_objects_groups(rank, size)

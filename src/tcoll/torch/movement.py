@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..comm.communicator import Communicator
-from .tensors import Contiguous, as_bytes, check_count, fill, np_bytes, pieces, row_bytes, typed
+from .tensors import Contiguous, as_bytes, check_count, fill, kept, np_bytes, pieces, row_bytes, typed
 from .work import Finish, each, result_of
 
 __all__ = ["Issued", "broadcast", "all_gather", "all_gather_into", "gather", "scatter", "all_to_all_rows",
@@ -78,10 +78,13 @@ def all_gather_into(comm: Communicator, output: torch.Tensor, input: torch.Tenso
     if out.work.numel() * out.work.element_size() != x.numel() * x.element_size() * comm.size:
         raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, input "
                          f"{input.numel()}; the output must hold {comm.size} inputs")
+    size = comm.size  # (views kept: a repeated call on the same tensors is the same call to tcoll)
     if out.work.dtype == x.dtype:  # typed: the dtype is in the call's stamp (see tensors.typed)
-        send, target = typed(x), typed(out.work).reshape(comm.size, -1)
+        send = kept(x, ("typed",), typed)
+        target = kept(out.work, ("typed", size), lambda t: typed(t).reshape(size, -1))
     else:
-        send, target = np_bytes(x), np_bytes(out.work).reshape(comm.size, -1)
+        send = kept(x, ("bytes",), np_bytes)
+        target = kept(out.work, ("bytes", size), lambda t: np_bytes(t).reshape(size, -1))
 
     def start(async_op: bool) -> list[Any]:
         return [comm.all_gather(send, out=target, async_op=async_op)]

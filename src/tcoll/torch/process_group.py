@@ -51,7 +51,8 @@ from . import BACKEND_NAME, devices, movement, worlds
 from .plans import AllReducePlans
 from .reduce_ops import HASH_IS_VALUE, SIMPLE_OPS, reduction
 from .sparse import all_reduce_sparse
-from .tensors import NATIVE, Contiguous, check_count, finisher, np_bytes, np_view, reduce_source, reduce_target
+from .tensors import (NATIVE, Contiguous, check_count, finisher, kept, np_bytes, np_view, reduce_source,
+                      reduce_target)
 from .work import (Finish, Held, TcollWork, async_requested, chain, completed, counted, detached, drop_held, each,
                    held_calls, run_held, seconds, timed_out)
 
@@ -316,10 +317,10 @@ class ProcessGroupTcoll(dist.ProcessGroup):
         even = len(set(counts)) == 1
 
         def start(async_op: bool) -> list[Any]:
-            if even:
-                x = src.reshape(size, part)
-                out = np_view(dst.reshape(1, part))
-                return [self.comm.reduce_scatter(np_view(x), name, out=out, async_op=async_op)]
+            if even:  # (views kept: a repeated call on the same tensors is the same call to tcoll)
+                x = kept(src, ("rows", size), lambda t: np_view(t.reshape(size, part)))
+                out = kept(dst, ("rows", 1), lambda t: np_view(t.reshape(1, part)))
+                return [self.comm.reduce_scatter(x, name, out=out, async_op=async_op)]
             return [self.comm.reduce_scatterv(np_view(src), counts, name, out=np_view(dst.reshape(-1)),
                                               async_op=async_op)]
 

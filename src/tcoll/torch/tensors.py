@@ -13,11 +13,35 @@ import torch
 
 from ..buffers import as_array
 
-__all__ = ["NATIVE", "Contiguous", "as_bytes", "check_count", "fill", "finisher", "np_bytes", "typed",
+__all__ = ["NATIVE", "Contiguous", "as_bytes", "check_count", "fill", "finisher", "kept", "np_bytes", "typed",
            "np_view", "pieces", "reduce_source", "reduce_target", "row_bytes", "trunc_divide"]
 
 _U8 = torch.uint8
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+KEPT_VIEWS, KEPT_VIEW_BYTES = 64, 64 << 10  # views kept, and the largest tensor whose view is kept
+_kept: dict[tuple[Any, ...], np.ndarray] = {}
+
+
+def kept(t: torch.Tensor, tag: tuple[Any, ...], make: Callable[[torch.Tensor], np.ndarray]) -> np.ndarray:
+    """make(t): the very same ndarray each time for the same small tensor memory (address, length, dtype; `tag`
+    names what `make` makes of it).
+
+    tcoll knows a repeated call by its arrays' identity (its lean and express paths: tcoll.comm.plans), and a
+    tensor's NumPy view is a new array at every call. A kept view holds its tensor's memory, so while it is
+    kept no other tensor lies at that address: the same key is the same memory. Only tensors of up to
+    KEPT_VIEW_BYTES, at most KEPT_VIEWS of them (all dropped when full).
+    """
+    if t.numel() * t.element_size() > KEPT_VIEW_BYTES:
+        return make(t)
+    key = (t.data_ptr(), t.numel(), t.dtype, *tag)
+    view = _kept.get(key)
+    if view is None:
+        if len(_kept) >= KEPT_VIEWS:
+            _kept.clear()
+        view = _kept[key] = make(t)
+    return view
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
