@@ -32,8 +32,8 @@ def broadcast(comm: Communicator, tensors: list[torch.Tensor], root: int) -> Iss
     """Root's tensors into every rank's (typed: ranks whose dtypes differ get a MismatchError)."""
     held = [Contiguous(t, copy_in=comm.rank == root) for t in tensors]
 
-    def start(async_op: bool) -> list[Any]:
-        return [comm.broadcast(typed(h.work), root, async_op=async_op) for h in held]
+    def start(async_op: bool) -> list[Any]:  # (views kept: a repeated call on the same tensor is the same call)
+        return [comm.broadcast(kept(h.work, ("typed",), typed), root, async_op=async_op) for h in held]
 
     return list(tensors), start, each(h.back for h in held)
 
