@@ -436,9 +436,9 @@ def check_repeated_all_reduce(rank: int, size: int) -> None:
 
 
 def check_repeated_gathers(rank: int, size: int) -> None:
-    """all_gather_into_tensor and reduce_scatter_tensor again and again on the same tensors (the backend keeps
-    their NumPy views, so tcoll repeats the call in C): new contents each time, another dtype over the same
-    memory, a fresh output, and more tensors than views kept."""
+    """all_gather_into_tensor, reduce_scatter_tensor and broadcast again and again on the same tensors (the
+    backend keeps their NumPy views, so tcoll repeats the call in C): new contents each time, another dtype over
+    the same memory, a fresh output, and more tensors than views kept."""
     inp, out = torch.zeros(6), torch.zeros(6 * size)
     parts, part = torch.zeros(4 * size), torch.zeros(4)
     for step in range(6):
@@ -449,6 +449,11 @@ def check_repeated_gathers(rank: int, size: int) -> None:
         dist.reduce_scatter_tensor(part, parts)
         total = expected(R.SUM, [data(r, (4 * size,), torch.float32, salt=step) for r in range(size)], size)
         same(part, total[4 * rank:4 * rank + 4], f"reduce_scatter {step}")
+    for step in range(4):  # broadcast of the same tensor, from each root in turn
+        root = step % size
+        inp.copy_(data(rank, (6,), torch.float32, salt=20 + step))
+        dist.broadcast(inp, root)
+        same(inp, data(root, (6,), torch.float32, salt=20 + step), f"repeated broadcast {step} from {root}")
     as_int = inp.view(torch.int32)
     as_int.copy_(data(rank, (6,), torch.int32, salt=9))
     wide = torch.zeros(6 * size, dtype=torch.int32)
