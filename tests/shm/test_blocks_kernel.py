@@ -184,8 +184,8 @@ def test_ranks_that_disagree_all_raise(name: str) -> None:
 
 
 def _run(fake: FakeArena, send: np.ndarray, out: np.ndarray | None, kind: int, block: int, root: int = 0,
-         codes: tuple[int, int] = (0, 0), stamp: int = STAMP, step: int = 0) -> int:
-    return fake.kernel.run_blocks(send, out, kind, block, root, *codes, step, stamp, 7, 0, False)
+         codes: tuple[int, int] = (0, 0), stamp: int = STAMP, step: int = 0, lending: bool = False) -> int:
+    return fake.kernel.run_blocks(send, out, kind, block, root, *codes, lending, step, stamp, 7, 0, False)
 
 
 @needs_kernel
@@ -244,3 +244,59 @@ def test_the_kernel_refuses_blocks_that_do_not_fit_one_step() -> None:
         _run(fake, np.zeros(fake.SLOT + 2, np.uint8), np.zeros(fake.SLOT + 2, np.uint8), K.BLOCKS_ALL_TO_ALL,
              fake.SLOT // 2 + 1)
     assert fake.counters.tolist() == [0, 0]  # nothing published
+
+
+@needs_kernel
+def test_a_call_large_enough_to_lend_takes_the_lenders_step_too() -> None:
+    """Lending: once done, the kernel publishes the lenders' step as well (it lent nothing: no wait); a peer
+    whose descriptor says it lent its buffer leaves the call to Python (PUBLISHED, nothing copied)."""
+    fake = FakeArena()
+    fake.peer_publishes(0, STAMP, 7, np.full(4, 9, np.uint8))
+    out = np.zeros(8, np.uint8)
+    assert _run(fake, np.arange(4, dtype=np.uint8), out, K.BLOCKS_GATHER, 4, 0, lending=True) == K.DONE
+    assert out.tolist() == [0, 1, 2, 3, 9, 9, 9, 9] and fake.counters[0] == 2  # steps 0 and 1 published
+    fake.peer_publishes(2, STAMP, 7, np.full(4, 5, np.uint8))
+    fake.desc[((2 % 2) * 2 + 1) * 8 + 3] = 12345  # the peer lent a buffer for this call
+    out[...] = 0
+    assert _run(fake, np.arange(4, dtype=np.uint8), out, K.BLOCKS_GATHER, 4, 0, step=2, lending=True) == K.PUBLISHED
+    assert not out.any() and fake.counters[0] == 3  # its own step published, not the lenders'
+
+
+def lenders_and_not(comm: tcoll.Communicator, calls: int) -> tuple[list[str], dict[int, int]]:
+    """Calls large enough to lend (64 KiB and more in all), with no rank's input, one rank's or every rank's in
+    shared memory (lent: that rank takes the Python steps; the others the kernel's step, which leaves a call a
+    peer lent in to Python): NumPy's results, whatever mix."""
+    comm.barrier(algorithm="shm")
+    arena = comm.core.dispatch.arena
+    counting = arena.kernel = CountingBlocks(arena.kernel)
+    p, me, bad = comm.size, comm.rank, []
+    for call in range(calls):
+        name = ("gather", "all_to_all", "reduce_scatter")[call % 3]
+        count = 8192 + 1000 * (call % 4)  # float32: 32-44 KiB per block, 64 KiB and more in all
+        inputs = [((np.arange(p * count) * (q + 1) + call) % 97).astype(np.float32).reshape(p, count)
+                  for q in range(p)]
+        lent = (False, me == call % p, True)[call // 3 % 3]  # nobody, one rank, everybody lends
+        x = comm.empty((p, count), np.float32) if lent else np.empty((p, count), np.float32)
+        x[...] = inputs[me]
+        root = call % p
+        if name == "gather":
+            got = comm.gather(x[0], root=root, algorithm="shm")
+            want = np.stack([inputs[q][0] for q in range(p)]) if me == root else None
+        elif name == "all_to_all":
+            got, want = comm.all_to_all(x, algorithm="shm"), np.stack([inputs[q][me] for q in range(p)])
+        else:
+            got = comm.reduce_scatter(x, algorithm="shm")
+            want = sum(inputs[1:], inputs[0].copy())[me:me + 1]
+        if (want is None) != (got is None) or (want is not None and not np.array_equal(got, want)):
+            bad.append(f"rank {me} call {call}: {name} x{count} lent {lent}")
+    return bad, dict(counting.states)
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_calls_large_enough_to_lend_pair_lenders_with_the_kernel(size: int) -> None:
+    results = tcoll.spawn(lenders_and_not, size, (27,), timeout=100, transport="shm")
+    assert not [f for bad, _ in results for f in bad], results
+    assert all(states.get(K.DONE) for _, states in results), results  # (nobody lent)
+    assert any(states.get(K.PUBLISHED) for _, states in results), results  # (a peer lent)

@@ -446,6 +446,9 @@ typedef struct {
     Py_ssize_t block;  /* bytes of each rank's block */
     Py_ssize_t share;  /* where block q lies in a slot (all_to_all, reduce_scatter): q * share */
     uint8_t *out;      /* this rank's result (NULL: none, a gather's other ranks) */
+    int lending;       /* a call large enough to lend (tcoll.shm.arena.ZERO_COPY_BYTES): it ends with the lenders'
+                        * step, which this rank (lending nothing itself) publishes without waiting; a peer that
+                        * lent its buffer leaves the reading of it to Python */
 } Blocks;
 
 /* The share of a slot per rank for `kind` (in whole items of `dtype` for a reduce_scatter: tcoll.shm.blocks._share). */
@@ -505,7 +508,16 @@ static int blocks_out(const Kernel *k, const RunArgs *a, const Blocks *b) {
     return 1;
 }
 
-/* The step of `b` on an acquired send buffer: how far it got (NOT_STARTED, PUBLISHED or DONE). */
+/* Whether a rank other than this one lent its buffer for the call of `step` (its descriptor names it). */
+static int peer_lent(const Kernel *k, uint64_t step) {
+    const uint64_t *base = k->desc + (Py_ssize_t)(step % SETS) * k->size * DESC_WORDS;
+    for (int q = 0; q < k->size; q++)
+        if (q != k->rank && base[(Py_ssize_t)q * DESC_WORDS + 3] != 0) return 1;
+    return 0;
+}
+
+/* The step of `b` on an acquired send buffer: how far it got (NOT_STARTED, PUBLISHED or DONE; DONE with
+ * the lenders' step published too when `b->lending`). */
 static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
     if (self->size > MAX_KERNEL_RANKS || (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield)))
         return NOT_STARTED;
@@ -513,20 +525,24 @@ static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
     PyThreadState *saved = unlocked ? PyEval_SaveThread() : NULL;
     publish_blocks(self, a, b);
     if (saved != NULL) PyEval_RestoreThread(saved);
-    if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step))
+    if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step) ||
+        (b->lending && peer_lent(self, a->step)))
         return PUBLISHED;
     saved = unlocked ? PyEval_SaveThread() : NULL;
     int done = blocks_out(self, a, b);
     if (saved != NULL) PyEval_RestoreThread(saved);
-    return done ? DONE : PUBLISHED;
+    if (!done) return PUBLISHED;
+    if (b->lending) publish_counter(self, a->step + 2);  /* the lenders' step: nobody reads this rank's buffer */
+    return DONE;
 }
 
-/* run_blocks(send, out, kind, block, root, dtype, op, step, stamp, sequence, spin_ns, yield): step_blocks, `out`
- * None where this rank gets nothing (a gather's other ranks); dtype and op: a reduce_scatter's codes. */
+/* run_blocks(send, out, kind, block, root, dtype, op, lending, step, stamp, sequence, spin_ns, yield):
+ * step_blocks, `out` None where this rank gets nothing (a gather's other ranks); dtype and op: a
+ * reduce_scatter's codes; lending: the call is large enough to lend (see Blocks). */
 static PyObject *Kernel_run_blocks(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError,
-                        "run_blocks(send, out, kind, block, root, dtype, op, step, stamp, sequence, spin_ns, yield)");
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "run_blocks(send, out, kind, block, root, dtype, op, lending, step, stamp, "
+                                         "sequence, spin_ns, yield)");
         return NULL;
     }
     RunArgs a;
@@ -537,11 +553,12 @@ static PyObject *Kernel_run_blocks(Kernel *self, PyObject *const *args, Py_ssize
     b.root = (int)PyLong_AsLong(args[4]);
     a.dtype = (int)PyLong_AsLong(args[5]);
     a.op = (int)PyLong_AsLong(args[6]);
-    a.step = PyLong_AsUnsignedLongLong(args[7]);
-    if (PyErr_Occurred() || stamp_words(args[8], &a.stamp_low, &a.stamp_high) < 0) return NULL;
-    a.sequence = PyLong_AsUnsignedLongLong(args[9]);
-    a.spin_ns = PyLong_AsUnsignedLongLong(args[10]);
-    a.yield = PyObject_IsTrue(args[11]);
+    b.lending = PyObject_IsTrue(args[7]);
+    a.step = PyLong_AsUnsignedLongLong(args[8]);
+    if (PyErr_Occurred() || stamp_words(args[9], &a.stamp_low, &a.stamp_high) < 0) return NULL;
+    a.sequence = PyLong_AsUnsignedLongLong(args[10]);
+    a.spin_ns = PyLong_AsUnsignedLongLong(args[11]);
+    a.yield = PyObject_IsTrue(args[12]);
     if (PyErr_Occurred()) return NULL;
     if (self->held < 0 || b.kind < 0 || b.kind >= BLOCKS_KINDS || a.dtype < 0 || a.dtype >= NDTYPES || a.op < 0 ||
         a.op >= NOPS) {

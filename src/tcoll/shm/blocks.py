@@ -44,8 +44,9 @@ def _share(arena: Arena, item: int = 1) -> int:
 def _in_kernel(arena: Arena, kind: str, send: np.ndarray, out: np.ndarray | None, nbytes: list[int], one_step: bool,
                root: int = 0, codes: tuple[int, int] = (0, 0)) -> int:
     """A call's one step in the arena's C kernel, where it takes it: every block alike (`nbytes`), one step
-    (`one_step`), nothing lent (under ZERO_COPY_BYTES in all, but for an all_gather, which never lends). The
-    kernel lays the slots out as the Python steps do, so ranks that take either way pair.
+    (`one_step`), and this rank's buffer not lent. The kernel lays the slots out as the Python steps do, so
+    ranks that take either way pair; a call large enough to lend (ZERO_COPY_BYTES in all, but an all_gather,
+    which never lends) ends with the lenders' step there too, and one another rank lent in goes on in Python.
 
     Args:
         kind: "ALL_GATHER", "GATHER", "ALL_TO_ALL" or "REDUCE_SCATTER" (the kernel's BLOCKS_* codes).
@@ -55,11 +56,17 @@ def _in_kernel(arena: Arena, kind: str, send: np.ndarray, out: np.ndarray | None
     Returns:
         DONE; PUBLISHED: the step is published, and `agree` and the copies out are the caller's; NOT_STARTED.
     """
-    if (arena.kernel is None or not one_step or not nbytes or min(nbytes) != max(nbytes)
-            or (kind != "ALL_GATHER" and sum(nbytes) >= ZERO_COPY_BYTES)):
+    if arena.kernel is None or not one_step or not nbytes or min(nbytes) != max(nbytes):
+        return NOT_STARTED
+    lending = kind != "ALL_GATHER" and sum(nbytes) >= ZERO_COPY_BYTES
+    if lending and arena.lend(send, sum(nbytes)) is not None:  # this rank lends its buffer: the Python steps
         return NOT_STARTED
     code = getattr(kernel_module, "BLOCKS_" + kind)
-    return arena.kernel_step("run_blocks", (send, out, code, nbytes[0], root, *codes), ())
+    return arena.kernel_step("run_blocks", (send, out, code, nbytes[0], root, *codes, lending), (),
+                             _LENDING_STEPS if lending else None)
+
+
+_LENDING_STEPS = {PUBLISHED: 1, DONE: 2}  # steps a call that may lend took in the kernel, by how far it got
 
 
 def _write_shares(slot: np.ndarray, raw: np.ndarray, nbytes: list[int], disp: list[int], lo: int, share: int,
@@ -161,11 +168,13 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
     state = _in_kernel(arena, "GATHER", own, None if out is None else out.view(np.uint8), nbytes, steps == 1, root)
     if state == DONE:
         return
-    if state == PUBLISHED:  # (one step, nothing lent: the kernel took this rank's part of it)
+    if state == PUBLISHED:  # (one step, this rank's buffer not lent: the kernel took this rank's part of it)
         arena.agree(arena.first)
         if me == root:
             assert out is not None
-            _gather_out(arena, out.view(np.uint8), displacements(nbytes), nbytes, 0, piece, arena.first, [None] * size)
+            sources = [None if q == me else arena.peer_buffer(arena.first, q) for q in range(size)]
+            _gather_out(arena, out.view(np.uint8), displacements(nbytes), nbytes, 0, piece, arena.first, sources)
+        arena.finish_lending(total, False)
         return
     if me != root:
         ref = arena.lend(own, total)

@@ -113,6 +113,7 @@ typedef struct {
     int dtype_code, op, want, split, yield;
     int root;             /* a broadcast's root (its one step: step_broadcast); -1: a reduction */
     int blocks;           /* a block collective's kind (its one step: step_blocks), or -1 */
+    int lending;          /* ... large enough to lend: its step ends with the lenders' (Blocks) */
     PyObject *out;        /* ... its output array, the same object every time (NULL: none) */
     PyObject *shape, *out_shape, *out_dtype;  /* ... x's shape, out's shape and dtype then (they decide the result) */
     void *out_buf;
@@ -177,19 +178,20 @@ static void Express_dealloc(Express *self) {
 }
 
 /* Express(gate, kernel, x, result, arena, dispatcher, watch, prepared, seqs, calls, label, stamp,
- *         dtype_code, op, want, split, spin_ns, yield, root, blocks, out, block): root -1 for a reduction, else
- *         a broadcast's (or a block collective's); blocks -1, or a block collective's kind (BLOCKS_*), which
- *         reads x (want 0) and writes `out`, blocks of `block` bytes */
+ *         dtype_code, op, want, split, spin_ns, yield, root, blocks, out, block, lending): root -1 for a
+ *         reduction, else a broadcast's (or a block collective's); blocks -1, or a block collective's kind
+ *         (BLOCKS_*), which reads x (want 0) and writes `out`, blocks of `block` bytes (see Blocks: lending) */
 static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     (void)kwds;
     PyObject *gate, *kernel, *x, *result, *arena, *dispatcher, *watch, *prepared, *seqs, *calls, *label, *stamp;
     PyObject *out;
-    int dtype_code, op, want, split, yield, root, blocks;
+    int dtype_code, op, want, split, yield, root, blocks, lending;
     unsigned long long spin_ns;
     Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKpiiOn", &GateType, &gate, &KernelType, &kernel, &x, &result,
+    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKpiiOnp", &GateType, &gate, &KernelType, &kernel, &x, &result,
                           &arena, &dispatcher, &watch, &prepared, &PyList_Type, &seqs, &PyList_Type, &calls, &label,
-                          &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield, &root, &blocks, &out, &block))
+                          &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield, &root, &blocks, &out, &block,
+                          &lending))
         return -1;
     int gather_off_root = blocks == BLOCKS_GATHER && root != ((Kernel *)kernel)->rank;
     if (blocks >= BLOCKS_KINDS || (blocks >= 0 && (split || want || root < 0 || (out == Py_None) != gather_off_root))) {
@@ -221,7 +223,7 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     void *out_buf = NULL;
     Py_ssize_t out_len = -1;
     if (fits && blocks >= 0) {
-        Blocks b = {blocks, root, block, blocks_share((Kernel *)kernel, blocks, dtype_code), NULL};
+        Blocks b = {blocks, root, block, blocks_share((Kernel *)kernel, blocks, dtype_code), NULL, lending};
         if (out != Py_None) {
             if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) return -1;
             out_buf = view.buf;
@@ -257,6 +259,7 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     self->split = split;
     self->root = root;
     self->blocks = blocks;
+    self->lending = blocks >= 0 && lending;
     if (blocks >= 0) {  /* a block call's result depends on the arrays' shapes too: kept, and compared at each run */
         if ((self->shape = PyObject_GetAttr(x, S_shape)) == NULL) return -1;
         if (out != Py_None) {
@@ -350,7 +353,8 @@ static int take_number(Express *self, PyObject *number, uint64_t sequence) {
  * call, the agreement's ring. */
 static int record_done(Express *self, PyObject *number, uint64_t sequence, uint64_t step) {
     int rc = -1;
-    if (set_count(self->arena, S_step, step + (self->split ? 3 : 1)) < 0 || set_count(self->arena, S_first, step) < 0)
+    if (set_count(self->arena, S_step, step + (self->split ? 3 : self->lending ? 2 : 1)) < 0 ||
+        set_count(self->arena, S_first, step) < 0)
         return -1;
     PyObject *current = PyTuple_Pack(2, number, self->prepared);
     if (current == NULL) return -1;
@@ -402,7 +406,7 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     long state;
     if (self->blocks >= 0) {
         Blocks b = {self->blocks, self->root, self->block, blocks_share(kernel, self->blocks, a.dtype),
-                    has_out ? out.buf : NULL};
+                    has_out ? out.buf : NULL, self->lending};
         state = step_blocks(kernel, &a, &b);
     } else {
         state = self->root >= 0 ? step_broadcast(kernel, &a, self->root)

@@ -129,7 +129,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     return kernel_module.Express(
         agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], want,
-        split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0)
+        split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0, False)
 
 
 def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
@@ -157,9 +157,7 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
     if collective in ("all_gather", "gather"):
         send = call.staged[1] if collective == "all_gather" else call.args[0]
         block, share, codes = send.nbytes, arena.slot_bytes, (KERNEL_DTYPES[np.dtype(np.uint8)], 0)
-        if collective == "gather" and (block * size >= ZERO_COPY_BYTES or dispatcher.rank != root):
-            if block * size >= ZERO_COPY_BYTES:
-                return None
+        if collective == "gather" and dispatcher.rank != root:
             result, out = NO_RESULT, None  # (nothing comes back on the other ranks)
     else:
         send = call.args[0]
@@ -169,8 +167,11 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
         else:
             op = call.args[3]
             share, codes = _share(arena, send.itemsize), None if may_fail(op) else kernel_codes(arena, send.dtype, op)
-        if codes is None or block * size >= ZERO_COPY_BYTES or len(set(call.args[2])) != 1:
+        if codes is None or len(set(call.args[2])) != 1:
             return None
+    lending = collective != "all_gather" and block * size >= ZERO_COPY_BYTES  # (see blocks._in_kernel)
+    if lending and arena.lend(send.reshape(-1).view(np.uint8), block * size) is not None:
+        return None
     if (send.nbytes != x.nbytes or send.__array_interface__["data"][0] != x.__array_interface__["data"][0]
             or _steps([block], share) != 1 or not (isinstance(out, np.ndarray) or result is NO_RESULT)):
         return None
@@ -179,4 +180,4 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
         agreement.gate, arena.kernel, x, result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], False,
         False, arena.kernel_spin_ns, arena.kernel_yields, root, getattr(kernel_module, "BLOCKS_" + _BLOCKS[collective]),
-        out, block)
+        out, block, lending)
