@@ -84,7 +84,9 @@ def repeated(comm: tcoll.Communicator, name: str, count: int, dtype: str, calls:
 
 CASES = [("all_gather", 3, "float32"), ("all_gather", 700, "int64"), ("gather", 2, "float64"), ("gather", 900, "uint8"),
          ("all_to_all", 5, "uint8"),
-         ("all_to_all", 300, "bfloat16"), ("reduce_scatter", 4, "float64"), ("reduce_scatter", 500, "int32")]
+         ("all_to_all", 300, "bfloat16"), ("reduce_scatter", 4, "float64"), ("reduce_scatter", 500, "int32"),
+         # 64 KiB and more in all: calls that may lend, whose express call takes the lenders' step too
+         ("gather", 9000, "float64"), ("all_to_all", 12000, "float32"), ("reduce_scatter", 10000, "float64")]
 
 
 @needs_kernel

@@ -29,11 +29,14 @@ def kept(t: torch.Tensor, tag: tuple[Any, ...], make: Callable[[torch.Tensor], n
     names what `make` makes of it).
 
     tcoll knows a repeated call by its arrays' identity (its lean and express paths: tcoll.comm.plans), and a
-    tensor's NumPy view is a new array at every call. A kept view holds its tensor's memory, so while it is
-    kept no other tensor lies at that address: the same key is the same memory. Only tensors of up to
-    KEPT_VIEW_BYTES, at most KEPT_VIEWS of them (all dropped when full).
+    tensor's NumPy view is a new array at every call. A kept view is exactly a function of its key: it covers
+    numel * itemsize bytes from that address, of that dtype, shaped by `tag`; `t` is contiguous (the callers
+    see to it), so a key found again is a view of `t`'s own memory, whatever happened to the tensor the view
+    was first made of. A kept view holds that tensor's storage, so only tensors whose whole storage is at
+    most KEPT_VIEW_BYTES are kept, at most KEPT_VIEWS of them (all dropped when full); a tensor with its
+    conjugate or negative bit set is never (its NumPy view would not say so).
     """
-    if t.numel() * t.element_size() > KEPT_VIEW_BYTES:
+    if t.untyped_storage().nbytes() > KEPT_VIEW_BYTES or t.is_conj() or t.is_neg():
         return make(t)
     key = (t.data_ptr(), t.numel(), t.dtype, *tag)
     view = _kept.get(key)
