@@ -436,9 +436,9 @@ def check_repeated_all_reduce(rank: int, size: int) -> None:
 
 
 def check_repeated_gathers(rank: int, size: int) -> None:
-    """all_gather_into_tensor, reduce_scatter_tensor and broadcast again and again on the same tensors (the
-    backend keeps their NumPy views, so tcoll repeats the call in C): new contents each time, another dtype over
-    the same memory, a fresh output, and more tensors than views kept."""
+    """all_gather_into_tensor, reduce_scatter_tensor, all_gather into lists and broadcast again and again on the
+    same tensors (the backend keeps their NumPy views, so tcoll repeats the call in C): new contents each time,
+    earlier results unchanged, another dtype over the same memory, a fresh output, more tensors than kept."""
     inp, out = torch.zeros(6), torch.zeros(6 * size)
     parts, part = torch.zeros(4 * size), torch.zeros(4)
     for step in range(6):
@@ -449,6 +449,15 @@ def check_repeated_gathers(rank: int, size: int) -> None:
         dist.reduce_scatter_tensor(part, parts)
         total = expected(R.SUM, [data(r, (4 * size,), torch.float32, salt=step) for r in range(size)], size)
         same(part, total[4 * rank:4 * rank + 4], f"reduce_scatter {step}")
+    kept_lists = []
+    for step in range(5):  # all_gather into lists of tensors: a fresh list each time, the earlier ones unchanged
+        inp.copy_(data(rank, (6,), torch.float32, salt=30 + step))
+        rows = [torch.empty(6) for _ in range(size)]
+        dist.all_gather(rows, inp)
+        kept_lists.append((rows, [data(r, (6,), torch.float32, salt=30 + step) for r in range(size)]))
+    for step, (rows, want) in enumerate(kept_lists):
+        for r in range(size):
+            same(rows[r], want[r], f"all_gather into a list {step}, row {r}")
     for step in range(4):  # broadcast of the same tensor, from each root in turn
         root = step % size
         inp.copy_(data(rank, (6,), torch.float32, salt=20 + step))

@@ -12,7 +12,7 @@ the ProcessGroup surface torch calls is in tcoll.torch.process_group.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,26 +46,19 @@ def all_gather(comm: Communicator, outputs: list[torch.Tensor], input: torch.Ten
     """
     x = Contiguous(input).work
     check_count(outputs, comm.size, "all_gather output list")
-    send = typed(x)  # its dtype is in the call's stamp: ranks whose dtypes differ get a MismatchError
+    # Its dtype is in the call's stamp: ranks whose dtypes differ get a MismatchError. The view is kept, so
+    # a repeated call on the same tensor is the same call to tcoll (which still gives a new array each time).
+    send = kept(x, ("typed",), typed)
     sizes = [o.numel() * o.element_size() for o in outputs]
-    if len(set(sizes)) == 1 and sizes[0] == send.nbytes:
-        gathered = torch.empty((comm.size, x.numel()), dtype=x.dtype)
+    equal = len(set(sizes)) == 1 and sizes[0] == send.nbytes
+    arrived: list[Any] = []
 
-        def start(async_op: bool) -> list[Any]:
-            out = typed(gathered).reshape(comm.size, -1)
-            return [comm.all_gather(send, out=out, async_op=async_op)]
+    def start(async_op: bool) -> list[Any]:
+        work = comm.all_gather(send, async_op=async_op) if equal else comm.all_gatherv(send, async_op=async_op)
+        arrived.append(work)
+        return [work]
 
-        parts: Callable[[], Sequence[torch.Tensor]] = lambda: gathered  # noqa: E731
-    else:
-        arrived: list[Any] = []
-
-        def start(async_op: bool) -> list[Any]:
-            work = comm.all_gatherv(send, async_op=async_op)
-            arrived.append(work)
-            return [work]
-
-        parts = lambda: result_of(arrived[0])  # noqa: E731
-    return list(outputs), start, lambda: fill(outputs, parts())
+    return list(outputs), start, lambda: fill(outputs, result_of(arrived[0]))
 
 
 def all_gather_into(comm: Communicator, output: torch.Tensor, input: torch.Tensor) -> Issued:

@@ -167,6 +167,11 @@ class Contiguous:
 def fill(outputs: Sequence[torch.Tensor], parts: Sequence[Any]) -> None:
     """Copy each received byte block into its output tensor (any dtype, any layout)."""
     with torch.no_grad():
+        if isinstance(parts, np.ndarray) and len(parts) == len(outputs) and all(o.is_contiguous() for o in outputs):
+            rows = torch.from_numpy(parts.reshape(len(outputs), -1).view(np.uint8))  # (one view for all the rows)
+            for out, row in zip(outputs, rows):
+                as_bytes(out).copy_(row)
+            return
         for out, part in zip(outputs, parts, strict=True):
             data = as_bytes(part) if isinstance(part, torch.Tensor) else torch.from_numpy(part.reshape(-1).view(np.uint8))
             holder = Contiguous(out, copy_in=False)
