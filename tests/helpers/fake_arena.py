@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from tcoll.shm import arena as arena_module
 
-__all__ = ["FakeArena", "STAMP"]
+__all__ = ["CountingKernel", "FakeArena", "STAMP"]
+
+
+class CountingKernel:
+    """Stands in for an arena's kernel and counts what each run, run_split and run_blocks returned (a
+    broadcast's or barrier's run_broadcast, and the rest, pass through uncounted)."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.states = kernel, Counter()
+
+    def _counted(self, state: int) -> int:
+        self.states[state] += 1
+        return state
+
+    def run(self, *args: Any) -> int:
+        return self._counted(self.kernel.run(*args))
+
+    def run_split(self, *args: Any) -> int:
+        return self._counted(self.kernel.run_split(*args))
+
+    def run_blocks(self, *args: Any) -> int:
+        return self._counted(self.kernel.run_blocks(*args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
 
 
 class FakeArena:

@@ -15,8 +15,6 @@ a sleeping peer is rung).
 from __future__ import annotations
 
 import time
-from collections import Counter
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -25,7 +23,7 @@ import pytest
 import tcoll
 from tcoll.shm import arena as arena_module
 
-from helpers.fake_arena import STAMP, FakeArena
+from helpers.fake_arena import STAMP, CountingKernel, FakeArena
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 needs_kernel = pytest.mark.skipif(arena_module.kernel_module is None, reason="the C kernel is not built")
@@ -37,26 +35,6 @@ SPLIT = 40_000  # bytes: on 2 ranks, a call that fits the slot in three steps (e
 WIDE_SLOT, WIDE_SPLIT = "256K", 200_000  # the same on more ranks (above the 128 KiB of one step)
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor, "avg": np.add}
-
-
-class CountingKernel:
-    """Stands in for an arena's kernel and counts what each run returned."""
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel, self.states = kernel, Counter()
-
-    def run(self, *args: Any) -> int:
-        state = self.kernel.run(*args)
-        self.states[state] += 1
-        return state
-
-    def run_split(self, *args: Any) -> int:
-        state = self.kernel.run_split(*args)
-        self.states[state] += 1
-        return state
-
-    def run_broadcast(self, *args: Any) -> int:  # (barriers: not counted)
-        return self.kernel.run_broadcast(*args)
 
 
 def _counting(comm: tcoll.Communicator) -> CountingKernel:

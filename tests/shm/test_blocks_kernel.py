@@ -12,7 +12,6 @@ Python (a peer that has not published, a descriptor that differs).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Any
 
 import ml_dtypes
@@ -22,28 +21,13 @@ import pytest
 import tcoll
 from tcoll.shm import arena as arena_module
 
-from helpers.fake_arena import STAMP, FakeArena
+from helpers.fake_arena import STAMP, CountingKernel, FakeArena
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 needs_kernel = pytest.mark.skipif(arena_module.kernel_module is None, reason="the C kernel is not built")
 K = arena_module.kernel_module
 SLOT = "64K"  # blocks of a few KiB take one step; 40 KiB blocks of an all_to_all on 2 ranks take two
 COLLECTIVES = ("all_gather", "gather", "all_to_all", "reduce_scatter")
-
-
-class CountingBlocks:
-    """Stands in for an arena's kernel and counts what each run_blocks returned (the rest passes through)."""
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel, self.states = kernel, Counter()
-
-    def run_blocks(self, *args: Any) -> int:
-        state = self.kernel.run_blocks(*args)
-        self.states[state] += 1
-        return state
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.kernel, name)
 
 
 def _busy(seconds: float) -> None:
@@ -59,24 +43,28 @@ def _block(rank: int, call: int, count: int, dtype: np.dtype) -> np.ndarray:
     return values.astype(dtype)
 
 
+def call_and_expect(comm: tcoll.Communicator, name: str, x: np.ndarray, inputs: list[np.ndarray],
+                    root: int) -> tuple[Any, np.ndarray | None]:
+    """Call `name` (shm) with this rank's blocks `x` (every rank's are `inputs`); (its result, NumPy's)."""
+    p, me = comm.size, comm.rank
+    if name == "all_gather":
+        return comm.all_gather(x[0], algorithm="shm"), np.stack([inputs[q][0] for q in range(p)])
+    if name == "gather":
+        return (comm.gather(x[0], root=root, algorithm="shm"),
+                np.stack([inputs[q][0] for q in range(p)]) if me == root else None)
+    if name == "all_to_all":
+        return comm.all_to_all(x, algorithm="shm"), np.stack([inputs[q][me] for q in range(p)])
+    total = inputs[0].copy()
+    for q in range(1, p):
+        total += inputs[q]
+    return comm.reduce_scatter(x, "sum", algorithm="shm"), total[me:me + 1]
+
+
 def one_call(comm: tcoll.Communicator, name: str, call: int, count: int, dtype: np.dtype, root: int) -> str | None:
     """One `name` call on `count` items per block against NumPy; a failure's description, or None."""
     p, me = comm.size, comm.rank
     inputs = [_block(q, call, count, dtype)[:p * count].reshape(p, count) for q in range(p)]
-    mine = inputs[me]
-    if name == "all_gather":
-        got, want = comm.all_gather(mine[0], algorithm="shm"), np.stack([inputs[q][0] for q in range(p)])
-    elif name == "gather":
-        got = comm.gather(mine[0], root=root, algorithm="shm")
-        want = np.stack([inputs[q][0] for q in range(p)]) if me == root else None
-    elif name == "all_to_all":
-        got, want = comm.all_to_all(mine, algorithm="shm"), np.stack([inputs[q][me] for q in range(p)])
-    else:
-        got = comm.reduce_scatter(mine, "sum", algorithm="shm")
-        total = inputs[0].copy()
-        for q in range(1, p):
-            total += inputs[q]
-        want = total[me:me + 1]
+    got, want = call_and_expect(comm, name, inputs[me], inputs, root)
     if want is None:
         return None if got is None else f"{name} gave {type(got)} off root"
     if got.dtype != want.dtype or not np.array_equal(got, want):
@@ -88,7 +76,7 @@ def every_collective(comm: tcoll.Communicator, kernel_on_rank_1: bool, calls: in
     """`calls` block collectives of each kind, with a rank late by turns; (failures, kernel states seen)."""
     comm.barrier(algorithm="shm")  # makes the arena
     arena = comm.core.dispatch.arena
-    counting = CountingBlocks(arena.kernel)
+    counting = CountingKernel(arena.kernel)
     arena.kernel = None if (comm.rank == 1 and not kernel_on_rank_1) else counting
     rng = np.random.default_rng(5)  # the same draws on every rank
     bad = []
@@ -132,7 +120,7 @@ def late_peer(comm: tcoll.Communicator, calls: int) -> tuple[bool, int]:
     """all_gather with the last rank late (1 ms and more) until rank 0's kernel handed a wait over."""
     comm.barrier(algorithm="shm")
     arena = comm.core.dispatch.arena
-    counting = arena.kernel = CountingBlocks(arena.kernel)
+    counting = arena.kernel = CountingKernel(arena.kernel)
     ok, delay = True, 0.001
     for call in range(calls):
         if comm.rank == comm.size - 1:
@@ -271,7 +259,7 @@ def lenders_and_not(comm: tcoll.Communicator, calls: int) -> tuple[list[str], di
     peer lent in to Python): NumPy's results, whatever mix."""
     comm.barrier(algorithm="shm")
     arena = comm.core.dispatch.arena
-    counting = arena.kernel = CountingBlocks(arena.kernel)
+    counting = arena.kernel = CountingKernel(arena.kernel)
     p, me, bad = comm.size, comm.rank, []
     for call in range(calls):
         name = ("gather", "all_to_all", "reduce_scatter")[call % 3]
@@ -281,15 +269,7 @@ def lenders_and_not(comm: tcoll.Communicator, calls: int) -> tuple[list[str], di
         lent = (False, me == call % p, True)[call // 3 % 3]  # nobody, one rank, everybody lends
         x = comm.empty((p, count), np.float32) if lent else np.empty((p, count), np.float32)
         x[...] = inputs[me]
-        root = call % p
-        if name == "gather":
-            got = comm.gather(x[0], root=root, algorithm="shm")
-            want = np.stack([inputs[q][0] for q in range(p)]) if me == root else None
-        elif name == "all_to_all":
-            got, want = comm.all_to_all(x, algorithm="shm"), np.stack([inputs[q][me] for q in range(p)])
-        else:
-            got = comm.reduce_scatter(x, algorithm="shm")
-            want = sum(inputs[1:], inputs[0].copy())[me:me + 1]
+        got, want = call_and_expect(comm, name, x, inputs, call % p)
         if (want is None) != (got is None) or (want is not None and not np.array_equal(got, want)):
             bad.append(f"rank {me} call {call}: {name} x{count} lent {lent}")
     return bad, dict(counting.states)
