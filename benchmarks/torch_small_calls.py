@@ -4,9 +4,9 @@
     python benchmarks/torch_small_calls.py --backends tcoll --ranks 4 --elements 256
 
 Each backend's ranks start once (torch.multiprocessing, spawn) and call, on the
-same tensors each time, dist.all_reduce, dist.broadcast,
-dist.all_gather_into_tensor, dist.reduce_scatter_tensor and dist.all_gather
-(into a list of tensors): 500 calls to warm up, then --calls timed; each line
+same tensors each time, dist.all_reduce, dist.broadcast, dist.reduce,
+dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_to_all_single
+and dist.all_gather (into a list of tensors): 500 calls to warm up, then --calls timed; each line
 is the slower rank's mean. The results are checked once at the end.
 Set OMP_NUM_THREADS=1 (done here if unset).
 """
@@ -21,7 +21,8 @@ import sys
 import time
 import warnings
 
-CALLS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather")
+CALLS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+         "all_gather")
 
 
 def _worker(rank: int, size: int, port: int, backend: str, elements: int, calls: int) -> None:
@@ -38,7 +39,9 @@ def _worker(rank: int, size: int, port: int, backend: str, elements: int, calls:
     run = {"all_reduce": lambda: dist.all_reduce(summed),
            "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, x),
            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(part, parts),
-           "all_gather": lambda: dist.all_gather(rows, x), "broadcast": lambda: dist.broadcast(summed, 0)}
+           "all_gather": lambda: dist.all_gather(rows, x), "broadcast": lambda: dist.broadcast(summed, 0),
+           "reduce": lambda: dist.reduce(summed, 0), "all_to_all_single": lambda: dist.all_to_all_single(swapped, parts)}
+    swapped = torch.empty(elements * size)
     rows = [torch.empty(elements) for _ in range(size)]
     for name in CALLS:
         for _ in range(500):

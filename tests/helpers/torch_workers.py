@@ -436,8 +436,8 @@ def check_repeated_all_reduce(rank: int, size: int) -> None:
 
 
 def check_repeated_gathers(rank: int, size: int) -> None:
-    """all_gather_into_tensor, reduce_scatter_tensor, all_gather into lists and broadcast again and again on the
-    same tensors (the backend keeps their NumPy views, so tcoll repeats the call in C): new contents each time,
+    """all_gather_into_tensor, reduce_scatter_tensor, all_gather into lists, all_to_all_single, reduce and
+    broadcast again and again on the same tensors (the backend keeps their NumPy views, so tcoll repeats the call in C): new contents each time,
     earlier results unchanged, another dtype over the same memory, a fresh output, more tensors than kept."""
     inp, out = torch.zeros(6), torch.zeros(6 * size)
     parts, part = torch.zeros(4 * size), torch.zeros(4)
@@ -458,6 +458,17 @@ def check_repeated_gathers(rank: int, size: int) -> None:
     for step, (rows, want) in enumerate(kept_lists):
         for r in range(size):
             same(rows[r], want[r], f"all_gather into a list {step}, row {r}")
+    swapped = torch.zeros(4 * size)
+    for step in range(4):  # reduce and all_to_all_single on the same tensors, new contents each time
+        root = step % size
+        parts.copy_(data(rank, (4 * size,), torch.float32, salt=40 + step))
+        dist.all_to_all_single(swapped, parts)
+        same(swapped, torch.cat([data(r, (4 * size,), torch.float32, salt=40 + step)[4 * rank:4 * rank + 4]
+                                 for r in range(size)]), f"repeated all_to_all_single {step}")
+        dist.reduce(parts, root)
+        if rank == root:
+            same(parts, expected(R.SUM, [data(r, (4 * size,), torch.float32, salt=40 + step) for r in range(size)],
+                                 size), f"repeated reduce {step} to {root}")
     for step in range(4):  # broadcast of the same tensor, from each root in turn
         root = step % size
         inp.copy_(data(rank, (6,), torch.float32, salt=20 + step))

@@ -286,8 +286,9 @@ class ProcessGroupTcoll(dist.ProcessGroup):
             src = reduce_source(t, factor, wide)
             prepared.append((src, name, finisher(src, t, int_avg, self.comm.size)))
 
-        def start(async_op: bool) -> list[Any]:
-            return [self.comm.reduce(np_view(src), root, name, async_op=async_op) for src, name, _ in prepared]
+        def start(async_op: bool) -> list[Any]:  # (views kept: a repeated call on the same tensor is the same call)
+            return [self.comm.reduce(kept(src, ("view",), np_view), root, name, async_op=async_op)
+                    for src, name, _ in prepared]
 
         finish = each(back for _, _, back in prepared) if self.comm.rank == root else None
         return self._issue(list(tensors), start, async_requested(opts), finish)
