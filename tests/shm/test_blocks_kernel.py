@@ -1,4 +1,5 @@
-"""The block collectives' one step in C (Kernel.run_blocks: all_gather, gather, all_to_all, reduce_scatter) against NumPy.
+"""The block collectives' one step in C (Kernel.run_blocks) against NumPy: all_gather, gather, all_to_all,
+reduce_scatter.
 
 On real ranks: every collective through the kernel's one step, with ranks
 late by turns (a late peer hands the wait to Python), with one rank running

@@ -97,12 +97,13 @@ def _all_gather(comm: Communicator, x: Any, out: Any, *, algorithm: str, async_o
     return _run(comm, call, async_op, x, out, (id(x), id(out), "all_gather", algorithm))
 
 
-def _run(comm: Communicator, call: Call, async_op: bool, x: Any, out: Any, key: Any) -> Any:
-    """Dispatch a checked call that reads `x` and writes `out` (None: a new array): a blocking one is remembered
-    for the lean path (tcoll.comm.plans), so that the same arrays skip the checks next time."""
+def _run(comm: Communicator, call: Call, async_op: bool, x: Any, out: Any, key: Any, reads_only: bool = False) -> Any:
+    """Dispatch a checked call that reads `x` and writes `out` (None: a new array, or none on a gather's other
+    ranks): a blocking one is remembered for the lean path (tcoll.comm.plans), so that the same arrays skip the
+    checks next time."""
     if async_op:
         return comm.core.dispatch.run(call, async_op)
-    return lean_run_into(comm.core.dispatch, key, x, call, out)
+    return lean_run_into(comm.core.dispatch, key, x, call, out, reads_only)
 
 
 def gather(comm: Communicator, x: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
@@ -144,10 +145,8 @@ def _gather(comm: Communicator, x: Any, root: int, out: Any, *, algorithm: str, 
         copies = ((out_flat[root * count:(root + 1) * count], send),)
     call = Call("gather", (send, out_flat, [count] * comm.size, root), arr.nbytes, algorithm=algorithm,
                 result=user_out, dtype=arr.dtype, count=count, root=root, copies=copies)
-    if async_op:
-        return comm.core.dispatch.run(call, async_op)
-    return lean_run_into(comm.core.dispatch, (id(x), id(out), "gather", root, algorithm), x, call,
-                         out if comm.rank == root else None, reads_only=True)
+    key = (id(x), id(out), "gather", root, algorithm)
+    return _run(comm, call, async_op, x, out if comm.rank == root else None, key, reads_only=True)
 
 
 @numbered("scatter")

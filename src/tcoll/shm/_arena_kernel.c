@@ -577,7 +577,8 @@ static PyObject *Kernel_run_blocks(Kernel *self, PyObject *const *args, Py_ssize
         state = step_blocks(self, &a, &b);
         step_over(self);
     } else {
-        PyErr_SetString(PyExc_ValueError, "arena kernel: the blocks do not fit one step, or the output does not fit them");
+        PyErr_SetString(PyExc_ValueError,
+                        "arena kernel: the blocks do not fit one step, or the output does not fit them");
     }
     if (has_out) PyBuffer_Release(&out);
     PyBuffer_Release(&a.view);

@@ -15,12 +15,12 @@ import numpy as np
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import displacements
-from ..ops import OPS, Op
+from ..ops import Op
 from .arena import ZERO_COPY_BYTES, Arena
-from .bridge import combine_all, copy_bytes, kernel_codes
+from .bridge import combine_all, copy_bytes, kernel_codes, may_fail
 from .kernel_abi import kernel_module
 
-# How far the kernel's one step of a call got (Arena.run_blocks); without the kernel, never started.
+# How far the kernel's one step of a call got (its run_blocks); without the kernel, never started.
 NOT_STARTED, PUBLISHED, DONE = ((kernel_module.NOT_STARTED, kernel_module.PUBLISHED, kernel_module.DONE)
                                 if kernel_module is not None else (0, 1, 2))
 
@@ -306,8 +306,7 @@ def reduce_scatter(arena: Arena, send: np.ndarray, out: np.ndarray, counts: list
     share = _share(arena, item)
     out_raw = out.view(np.uint8)
     steps = _steps(nbytes, share)
-    builtin = getattr(OPS.get(op.name), "fn", None) is op.fn  # a user's op is Python's (it may fail on one rank)
-    codes = kernel_codes(arena, dtype, op) if builtin else None
+    codes = None if may_fail(op) else kernel_codes(arena, dtype, op)
     state = NOT_STARTED if codes is None else _in_kernel(arena, "REDUCE_SCATTER", raw, out_raw, nbytes, steps == 1,
                                                          0, codes)
     if state == DONE:

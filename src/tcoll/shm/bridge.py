@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ops import OPS
 from .kernel_abi import KERNEL_DTYPES, KERNEL_OPS, kernel_module
 
 __all__ = ["kernel_codes", "combine_all", "reduce_into", "copy_bytes"]
@@ -32,6 +33,13 @@ def combine_all(arena: Any, op: Any, parts: list[np.ndarray], out: np.ndarray) -
     combine(dtype, code, out, parts[0], parts[1])
     for part in parts[2:]:
         combine(dtype, code, out, out, part)
+
+
+def may_fail(op: Any) -> bool:
+    """Whether `op` is a user's (it may raise on one rank only; a built-in op does not fail): then a rank
+    that does not want the result still waits for every rank's reduced part before its call returns, so
+    that a failure anywhere fails the call here too; and the C kernel never runs it."""
+    return getattr(OPS.get(op.name), "fn", None) is not op.fn
 
 
 def reduce_into(arena: Any, op: Any, parts: list[np.ndarray], outs: list[np.ndarray]) -> None:

@@ -233,7 +233,8 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
         fits = blocks_fit((Kernel *)kernel, &b, dtype_code, self->len, out_len);
     }
     if (!fits) {
-        PyErr_SetString(PyExc_ValueError, "Express: the buffer does not fit a slot or its dtype (or the blocks one step)");
+        PyErr_SetString(PyExc_ValueError,
+                        "Express: the buffer does not fit a slot or its dtype (or the blocks one step)");
         return -1;
     }
     PyObject *dtype = PyObject_GetAttr(x, S_dtype);
@@ -467,7 +468,7 @@ static PyTypeObject ExpressType = {
     .tp_name = "tcoll.shm._arena_kernel.Express",
     .tp_basicsize = sizeof(Express),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A repeated blocking reduction, broadcast, barrier or block collective on the arena, whole in one C call.",
+    .tp_doc = "A repeated blocking reduction, broadcast, barrier or block collective, whole in one C call.",
     .tp_methods = Express_methods,
     .tp_members = Express_members,
     .tp_init = (initproc)Express_init,

@@ -99,7 +99,8 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     # (imported here: importing tcoll.shm.vector registers its algorithms, which tcoll.algos does in its order)
     from .bridge import kernel_codes
     from .arena import ZERO_COPY_BYTES
-    from .vector import may_fail, one_step
+    from .bridge import may_fail
+    from .vector import one_step
 
     call, info = prepared.call, prepared.info
     arena = dispatcher.arena
@@ -142,8 +143,7 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
     """
     from .arena import ZERO_COPY_BYTES
     from .blocks import _share, _steps
-    from .bridge import kernel_codes
-    from .vector import may_fail
+    from .bridge import kernel_codes, may_fail
 
     call, info = prepared.call, prepared.info
     arena = dispatcher.arena
@@ -166,7 +166,8 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
             share, codes = _share(arena), (KERNEL_DTYPES[np.dtype(np.uint8)], 0)
         else:
             op = call.args[3]
-            share, codes = _share(arena, send.itemsize), None if may_fail(op) else kernel_codes(arena, send.dtype, op)
+            share = _share(arena, send.itemsize)
+            codes = None if may_fail(op) else kernel_codes(arena, send.dtype, op)
         if codes is None or len(set(call.args[2])) != 1:
             return None
     lending = collective != "all_gather" and block * size >= ZERO_COPY_BYTES  # (see blocks._in_kernel)

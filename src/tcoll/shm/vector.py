@@ -28,11 +28,11 @@ import numpy as np
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
-from ..ops import OPS, Op
+from ..ops import Op
 from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_module
 from . import express
 from .express import NOTHING
-from .bridge import combine_all, copy_bytes, kernel_codes, reduce_into
+from .bridge import combine_all, copy_bytes, kernel_codes, may_fail, reduce_into
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
@@ -164,13 +164,6 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     if may_fail(op):  # the others hear of it in this call, as in the steps of _reduce_split and _reduce_large
         arena.publish(arena.skip())
         arena.wait_all(step + 1)
-
-
-def may_fail(op: Op) -> bool:
-    """Whether `op` is a user's (it may raise on one rank only; a built-in op does not fail): then a rank
-    that does not want the result still waits for every rank's reduced part before its call returns, so
-    that a failure anywhere fails the call here too."""
-    return getattr(OPS.get(op.name), "fn", None) is not op.fn
 
 
 def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
