@@ -250,6 +250,16 @@ static int stamp_words(PyObject *stamp, uint64_t *low, uint64_t *high) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* The five arguments every step takes, from args[0]: step, stamp, sequence, spin_ns, yield; -1 with the error set. */
+static int parse_step(PyObject *const *args, RunArgs *a) {
+    a->step = PyLong_AsUnsignedLongLong(args[0]);
+    if (PyErr_Occurred() || stamp_words(args[1], &a->stamp_low, &a->stamp_high) < 0) return -1;
+    a->sequence = PyLong_AsUnsignedLongLong(args[2]);
+    a->spin_ns = PyLong_AsUnsignedLongLong(args[3]);
+    a->yield = PyObject_IsTrue(args[4]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunArgs *a) {
     if (nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want)");
@@ -257,11 +267,7 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunA
     }
     a->dtype = (int)PyLong_AsLong(args[1]);
     a->op = (int)PyLong_AsLong(args[2]);
-    a->step = PyLong_AsUnsignedLongLong(args[3]);
-    if (stamp_words(args[4], &a->stamp_low, &a->stamp_high) < 0) return -1;
-    a->sequence = PyLong_AsUnsignedLongLong(args[5]);
-    a->spin_ns = PyLong_AsUnsignedLongLong(args[6]);
-    a->yield = PyObject_IsTrue(args[7]);
+    if (PyErr_Occurred() || parse_step(args + 3, a) < 0) return -1;
     a->want = PyObject_IsTrue(args[8]);
     if (PyErr_Occurred()) return -1;
     if (a->dtype < 0 || a->dtype >= NDTYPES || a->op < 0 || a->op >= NOPS) {
@@ -407,12 +413,7 @@ static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ss
     RunArgs a;
     memset(&a, 0, sizeof(a));
     int root = (int)PyLong_AsLong(args[1]);
-    a.step = PyLong_AsUnsignedLongLong(args[2]);
-    if (PyErr_Occurred() || stamp_words(args[3], &a.stamp_low, &a.stamp_high) < 0) return NULL;
-    a.sequence = PyLong_AsUnsignedLongLong(args[4]);
-    a.spin_ns = PyLong_AsUnsignedLongLong(args[5]);
-    a.yield = PyObject_IsTrue(args[6]);
-    if (PyErr_Occurred()) return NULL;
+    if (PyErr_Occurred() || parse_step(args + 2, &a) < 0) return NULL;
     if (self->held < 0 || root < 0 || root >= self->size) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, or the root is not a rank");
         return NULL;
@@ -432,7 +433,7 @@ static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ss
 }
 
 /* The block collectives' one step (tcoll.shm.blocks: an all_gather, gather, all_to_all or reduce_scatter whose
- * blocks fit one step and that lends nothing), laid out in the slots exactly as their Python steps lay it, so
+ * blocks fit one step, where this rank's buffer is not lent), laid out in the slots exactly as their Python steps lay it, so
  * that a rank in C and a rank in Python pair: claim, describe, copy this rank's blocks in, publish; once every
  * rank has and every descriptor names this call, copy (or reduce) this rank's result out of the slots. An
  * all_gather's or gather's block lies at the head of its slot; an all_to_all's or reduce_scatter's block for
@@ -554,12 +555,7 @@ static PyObject *Kernel_run_blocks(Kernel *self, PyObject *const *args, Py_ssize
     a.dtype = (int)PyLong_AsLong(args[5]);
     a.op = (int)PyLong_AsLong(args[6]);
     b.lending = PyObject_IsTrue(args[7]);
-    a.step = PyLong_AsUnsignedLongLong(args[8]);
-    if (PyErr_Occurred() || stamp_words(args[9], &a.stamp_low, &a.stamp_high) < 0) return NULL;
-    a.sequence = PyLong_AsUnsignedLongLong(args[10]);
-    a.spin_ns = PyLong_AsUnsignedLongLong(args[11]);
-    a.yield = PyObject_IsTrue(args[12]);
-    if (PyErr_Occurred()) return NULL;
+    if (PyErr_Occurred() || parse_step(args + 8, &a) < 0) return NULL;
     if (self->held < 0 || b.kind < 0 || b.kind >= BLOCKS_KINDS || a.dtype < 0 || a.dtype >= NDTYPES || a.op < 0 ||
         a.op >= NOPS) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, or an unknown kind, dtype or op code");
