@@ -31,6 +31,7 @@
 
 #define SETS 2
 #define DESC_WORDS 8
+#define PROGRESS_LINE 64  /* bytes of a rank's progress line (streamed steps, below) */
 
 /* What run() and run_split() return: how far the call got (see tcoll.shm.arena.Arena.run_small). */
 enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2, REDUCED = 3 };
@@ -42,6 +43,7 @@ typedef struct {
     PyObject_HEAD
     uint64_t *counters;
     uint64_t *desc;
+    uint64_t *progress;  /* a cache line per rank: the step it streams (+ 1), and its bytes written so far */
     uint8_t *data;
     int size;
     int rank;
@@ -147,8 +149,10 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
     PyObject *seq = PySequence_Fast(bells, "bells must be a sequence of doorbell buffers");
     if (seq == NULL) return -1;
     Py_ssize_t nbells = PySequence_Fast_GET_SIZE(seq);
+    /* the progress lines follow the descriptors (tcoll.shm.arena._layout) */
+    Py_ssize_t progress_at = (desc_at + 8 * DESC_WORDS * SETS * (Py_ssize_t)size + 63) & ~(Py_ssize_t)63;
     if (nbells > INT_MAX || size < 1 || rank < 0 || rank >= size || slot_bytes < 1 || desc_at < 8 * size ||
-        data_at < desc_at) {
+        data_at < progress_at + PROGRESS_LINE * (Py_ssize_t)size) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "arena kernel: bad layout, size, rank, slot or number of doorbells");
         return -1;
@@ -185,6 +189,7 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
     self->rank = rank;
     self->counters = (uint64_t *)base;
     self->desc = (uint64_t *)(base + desc_at);
+    self->progress = (uint64_t *)(base + progress_at);
     self->data = base + data_at;
     self->slot_bytes = slot_bytes;
     return 0;
@@ -194,21 +199,45 @@ static int Kernel_init(Kernel *self, PyObject *args, PyObject *kwds) {
 
 static PyObject *SIXTY_FOUR;  /* the int 64, to shift a stamp by */
 
-/* Describe the call in this rank's descriptor of `step`, copy the buffer into its slot (all but bytes
- * [skip_lo, skip_hi): a split call's own part, which this rank reads from its buffer), publish, ring. */
-static void publish_step(Kernel *k, const Py_buffer *view, uint64_t step, uint64_t low, uint64_t high,
-                         uint64_t sequence, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
-    uint64_t *desc = k->desc + ((Py_ssize_t)(step % SETS) * k->size + k->rank) * DESC_WORDS;
-    desc[0] = low;
-    desc[1] = high;
-    desc[2] = sequence;
-    desc[3] = 0;  /* no zero-copy buffer: small calls always copy */
-    uint8_t *slot = slot_of(k, k->rank, step);
-    tc_copy(slot, view->buf, (size_t)skip_lo);
-    tc_copy(slot + skip_hi, (const uint8_t *)view->buf + skip_hi, (size_t)(view->len - skip_hi));
-    __atomic_store_n(&k->counters[k->rank], step + 1, __ATOMIC_RELEASE);
+/* The arguments of run() and run_split(); the buffer acquired (release it), or -1 with the error set. */
+typedef struct {
+    Py_buffer view;
+    int dtype, op, yield, want;
+    uint64_t step, sequence, spin_ns, stamp_low, stamp_high;
+} RunArgs;
+
+/* This rank's descriptor of `step`: the call's stamp and sequence, nothing lent. */
+static void describe_step(const Kernel *k, const RunArgs *a) {
+    uint64_t *desc = k->desc + ((Py_ssize_t)(a->step % SETS) * k->size + k->rank) * DESC_WORDS;
+    desc[0] = a->stamp_low;
+    desc[1] = a->stamp_high;
+    desc[2] = a->sequence;
+    desc[3] = 0;
+}
+
+/* Whether a rank other than this one lent its buffer for the call of `step` (its descriptor names it). */
+static int peer_lent(const Kernel *k, uint64_t step) {
+    const uint64_t *base = k->desc + (Py_ssize_t)(step % SETS) * k->size * DESC_WORDS;
+    for (int q = 0; q < k->size; q++)
+        if (q != k->rank && base[(Py_ssize_t)q * DESC_WORDS + 3] != 0) return 1;
+    return 0;
+}
+
+/* Publish this rank's counter (`value`: the steps it has published) and wake the peers that sleep. */
+static void publish_counter(const Kernel *k, uint64_t value) {
+    __atomic_store_n(&k->counters[k->rank], value, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
     ring_sleepers(k);
+}
+
+/* Describe the call in this rank's descriptor of its step, copy the buffer into its slot (all but bytes
+ * [skip_lo, skip_hi): a split call's own part, which this rank reads from its buffer), publish, ring. */
+static void publish_step(Kernel *k, const RunArgs *a, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
+    describe_step(k, a);
+    uint8_t *slot = slot_of(k, k->rank, a->step);
+    tc_copy(slot, a->view.buf, (size_t)skip_lo);
+    tc_copy(slot + skip_hi, (const uint8_t *)a->view.buf + skip_hi, (size_t)(a->view.len - skip_hi));
+    publish_counter(k, a->step + 1);
 }
 
 /* Whether every rank's descriptor of `step` names this call (stamp and sequence) as this rank's does. */
@@ -232,13 +261,6 @@ static int reduce_slots(const Kernel *k, uint64_t step, int dtype, int op, void 
         combine(dtype, op, out, out, slot_of(k, q, step), n);
     return 1;
 }
-
-/* The arguments of run() and run_split(); the buffer acquired (release it), or -1 with the error set. */
-typedef struct {
-    Py_buffer view;
-    int dtype, op, yield, want;
-    uint64_t step, sequence, spin_ns, stamp_low, stamp_high;
-} RunArgs;
 
 /* The two 64-bit words of a call's stamp (a Python int of up to 128 bits); -1 with the error set. */
 static int stamp_words(PyObject *stamp, uint64_t *low, uint64_t *high) {
@@ -294,7 +316,7 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunA
 static long claim_and_publish(Kernel *self, const RunArgs *a, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
     if (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield))
         return NOT_STARTED;
-    publish_step(self, &a->view, a->step, a->stamp_low, a->stamp_high, a->sequence, skip_lo, skip_hi);
+    publish_step(self, a, skip_lo, skip_hi);
     return PUBLISHED;
 }
 
@@ -352,10 +374,78 @@ static void copy_parts_out(const Kernel *k, uint64_t step, Py_ssize_t item, uint
     }
 }
 
-static void publish_counter(const Kernel *k, uint64_t value) {
-    __atomic_store_n(&k->counters[k->rank], value, __ATOMIC_RELEASE);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the counter is visible before we look for sleepers */
-    ring_sleepers(k);
+/* Streamed steps. A writer in C announces on its progress line how much of its slot it has written, chunk by
+ * chunk, before it publishes the step, so that a reader in C copies each chunk out while the next is written:
+ * one copy's time instead of two in a row, and the chunk still in the writer's cache when read. The line
+ * holds the step it speaks of (+ 1) and the bytes written; a reader goes by the writer's counter once that
+ * passed the step (a writer in Python, which never writes the line, or one that moved on). */
+#define STREAM_CHUNK (16 << 10)  /* broadcasts of 64 KiB-1 MiB on 2 ranks: 8 and 16 KiB tied; 4, 32, 64 KiB slower */
+
+/* Announce that this rank streams `step` (its descriptor, written before, is visible with it). */
+static void stream_start(const Kernel *k, uint64_t step) {
+    uint64_t *line = k->progress + (Py_ssize_t)k->rank * (PROGRESS_LINE / 8);
+    __atomic_store_n(&line[1], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&line[0], step + 1, __ATOMIC_RELEASE);
+}
+
+/* Copy `len` bytes to this rank's slot, announcing each chunk (bytes written up to `at` + those copied). */
+static void stream_in(const Kernel *k, uint8_t *slot, const uint8_t *src, Py_ssize_t len, Py_ssize_t at) {
+    uint64_t *line = k->progress + (Py_ssize_t)k->rank * (PROGRESS_LINE / 8);
+    for (Py_ssize_t lo = 0; lo < len; lo += STREAM_CHUNK) {
+        Py_ssize_t n = len - lo < STREAM_CHUNK ? len - lo : STREAM_CHUNK;
+        tc_copy(slot + lo, src + lo, (size_t)n);
+        __atomic_store_n(&line[1], (uint64_t)(at + lo + n), __ATOMIC_RELEASE);
+    }
+}
+
+/* Bytes of `rank`'s slot of `step` written so far: all (PY_SSIZE_T_MAX) once its counter passed the step;
+ * else what its progress line says of the step; -1 before either (its descriptor not yet written). */
+static Py_ssize_t written(const Kernel *k, int rank, uint64_t step) {
+    const uint64_t *line = k->progress + (Py_ssize_t)rank * (PROGRESS_LINE / 8);
+    uint64_t tag = __atomic_load_n(&line[0], __ATOMIC_ACQUIRE);
+    uint64_t bytes = __atomic_load_n(&line[1], __ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&k->counters[rank], __ATOMIC_ACQUIRE) >= step + 1) return PY_SSIZE_T_MAX;
+    return tag == step + 1 ? (Py_ssize_t)bytes : -1;  /* (a later step's bytes only once the counter passed) */
+}
+
+/* Wait (at most `spin_ns` without progress) until `rank` has written `need` bytes of `step`; 0: it did not. */
+static int wait_written(const Kernel *k, int rank, uint64_t step, Py_ssize_t need, uint64_t spin_ns, int yield) {
+    if (written(k, rank, step) >= need) return 1;
+    uint64_t start = now_ns();
+    while (written(k, rank, step) < need) {
+        if (now_ns() - start >= spin_ns) return 0;
+        if (yield) sched_yield();
+        else cpu_relax();
+    }
+    return 1;
+}
+
+/* Copy bytes [from, from + len) of `rank`'s slot of `step` to `dst` as they are written; 0: the writer made no
+ * progress within `spin_ns` (what was copied stays; the caller copies the whole again once it published). */
+static int stream_out(const Kernel *k, int rank, uint64_t step, uint8_t *dst, Py_ssize_t from, Py_ssize_t len,
+                      uint64_t spin_ns, int yield) {
+    const uint8_t *slot = slot_of(k, rank, step) + from;
+    Py_ssize_t done = 0;
+    while (done < len) {
+        Py_ssize_t ready = written(k, rank, step) - from;
+        if (ready > len) ready = len;
+        if (ready <= done) {
+            if (!wait_written(k, rank, step, from + done + (len - done < STREAM_CHUNK ? len - done : STREAM_CHUNK),
+                              spin_ns, yield))
+                return 0;
+            continue;
+        }
+        tc_copy(dst + done, slot + done, (size_t)(ready - done));
+        done = ready;
+    }
+    return 1;
+}
+
+/* Whether `rank` describes the call of `step` as this rank does and lent nothing (its descriptor visible). */
+static int describes_mine(const Kernel *k, int rank, uint64_t step) {
+    const uint64_t *base = k->desc + (Py_ssize_t)(step % SETS) * k->size * DESC_WORDS;
+    const uint64_t *mine = base + (Py_ssize_t)k->rank * DESC_WORDS, *theirs = base + (Py_ssize_t)rank * DESC_WORDS;
+    return theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[2] == mine[2] && theirs[3] == 0;
 }
 
 /* run_split(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want): a call that fits a slot, in three
@@ -394,26 +484,56 @@ static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_
 
 /* The one step of a broadcast that fits a slot: root copies its buffer into its slot; every rank describes the
  * call and publishes; once all have, and every descriptor names this call, the others copy root's slot out.
- * How far it got: NOT_STARTED, PUBLISHED (the check and the copy are Python's) or DONE. */
-static long step_broadcast(Kernel *self, const RunArgs *a, int root) {
+ * From STREAM_FROM bytes the copies overlap: root streams its slot (and publishes when it is whole), the
+ * others publish at once, check root's descriptor and copy each chunk as it comes, then check every
+ * descriptor (a call that differs raises in Python, whatever was copied). `lending`: the call is large enough
+ * to lend (tcoll.shm.arena.ZERO_COPY_BYTES), so it ends with the lenders' step, which this rank publishes
+ * (root here lends nothing; a root that lent leaves the reading of its buffer to Python). How far it got:
+ * NOT_STARTED, PUBLISHED (the check and the copy are Python's) or DONE. */
+#define STREAM_FROM (32 << 10)
+
+static long step_broadcast(Kernel *self, const RunArgs *a, int root, int lending) {
     Py_ssize_t len = a->view.len;
-    long state = claim_and_publish(self, a, self->rank == root ? len : 0, len);
-    if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step))
-        return state;
-    if (self->rank != root) tc_copy(a->view.buf, slot_of(self, root, a->step), (size_t)len);
+    if (len < STREAM_FROM) {
+        long state = claim_and_publish(self, a, self->rank == root ? len : 0, len);
+        if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) ||
+            !descriptors_agree(self, a->step) || (lending && peer_lent(self, a->step)))
+            return state;
+        if (self->rank != root) tc_copy(a->view.buf, slot_of(self, root, a->step), (size_t)len);
+    } else {
+        if (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield)) return NOT_STARTED;
+        describe_step(self, a);
+        int streamed = 1;
+        PyThreadState *saved = PyEval_SaveThread();  /* (thread ranks: the others run meanwhile) */
+        if (self->rank == root) {
+            stream_start(self, a->step);
+            stream_in(self, slot_of(self, root, a->step), a->view.buf, len, 0);
+            publish_counter(self, a->step + 1);
+        } else {
+            publish_counter(self, a->step + 1);
+            streamed = wait_written(self, root, a->step, 0, a->spin_ns, a->yield) && describes_mine(self, root, a->step)
+                       && stream_out(self, root, a->step, a->view.buf, 0, len, a->spin_ns, a->yield);
+        }
+        PyEval_RestoreThread(saved);
+        if (!streamed || !wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step))
+            return PUBLISHED;
+    }
+    if (lending) publish_counter(self, a->step + 2);  /* the lenders' step: nobody lent */
     return DONE;
 }
 
-/* run_broadcast(buf, root, step, stamp, sequence, spin_ns, yield): step_broadcast on `buf` (writable off root). */
+/* run_broadcast(buf, root, lending, step, stamp, sequence, spin_ns, yield): step_broadcast on `buf` (writable off
+ * root). */
 static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "run_broadcast(buf, root, step, stamp, sequence, spin_ns, yield)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "run_broadcast(buf, root, lending, step, stamp, sequence, spin_ns, yield)");
         return NULL;
     }
     RunArgs a;
     memset(&a, 0, sizeof(a));
     int root = (int)PyLong_AsLong(args[1]);
-    if (PyErr_Occurred() || parse_step(args + 2, &a) < 0) return NULL;
+    int lending = PyObject_IsTrue(args[2]);
+    if (PyErr_Occurred() || parse_step(args + 3, &a) < 0) return NULL;
     if (self->held < 0 || root < 0 || root >= self->size) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, or the root is not a rank");
         return NULL;
@@ -426,7 +546,7 @@ static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ss
         return NULL;
     }
     self->busy++;
-    long state = step_broadcast(self, &a, root);
+    long state = step_broadcast(self, &a, root, lending);
     step_over(self);
     PyBuffer_Release(&a.view);
     return PyLong_FromLong(state);
@@ -473,11 +593,7 @@ static int blocks_fit(const Kernel *k, const Blocks *b, int dtype, Py_ssize_t se
 
 /* Describe the call and copy this rank's blocks into its slot of `step` (the layout above); publish, ring. */
 static void publish_blocks(Kernel *k, const RunArgs *a, const Blocks *b) {
-    uint64_t *desc = k->desc + ((Py_ssize_t)(a->step % SETS) * k->size + k->rank) * DESC_WORDS;
-    desc[0] = a->stamp_low;
-    desc[1] = a->stamp_high;
-    desc[2] = a->sequence;
-    desc[3] = 0;  /* nothing lent: small calls always copy */
+    describe_step(k, a);
     uint8_t *slot = slot_of(k, k->rank, a->step);
     const uint8_t *send = a->view.buf;
     if (b->kind == BLOCKS_ALL_GATHER || (b->kind == BLOCKS_GATHER && k->rank != b->root))
@@ -509,12 +625,33 @@ static int blocks_out(const Kernel *k, const RunArgs *a, const Blocks *b) {
     return 1;
 }
 
-/* Whether a rank other than this one lent its buffer for the call of `step` (its descriptor names it). */
-static int peer_lent(const Kernel *k, uint64_t step) {
-    const uint64_t *base = k->desc + (Py_ssize_t)(step % SETS) * k->size * DESC_WORDS;
-    for (int q = 0; q < k->size; q++)
-        if (q != k->rank && base[(Py_ssize_t)q * DESC_WORDS + 3] != 0) return 1;
-    return 0;
+/* A gather's step from STREAM_FROM bytes a block, streamed: the other ranks stream their blocks into their slots
+ * (and publish when whole); root publishes at once and copies each block's chunks as they come, then every
+ * rank checks every descriptor. PUBLISHED where a peer was late, described another call or lent its buffer:
+ * Python checks and copies (the whole) again. */
+static long step_gather_streamed(Kernel *self, const RunArgs *a, const Blocks *b) {
+    Py_ssize_t n = b->block;
+    int streamed = 1;
+    describe_step(self, a);
+    PyThreadState *saved = PyEval_SaveThread();
+    if (self->rank != b->root) {
+        stream_start(self, a->step);
+        stream_in(self, slot_of(self, self->rank, a->step), a->view.buf, n, 0);
+        publish_counter(self, a->step + 1);
+    } else {
+        publish_counter(self, a->step + 1);
+        tc_copy(b->out + (Py_ssize_t)b->root * n, a->view.buf, (size_t)n);
+        for (int q = 0; q < self->size && streamed; q++)
+            streamed = q == self->rank || (wait_written(self, q, a->step, 0, a->spin_ns, a->yield) &&
+                                           describes_mine(self, q, a->step) &&
+                                           stream_out(self, q, a->step, b->out + q * n, 0, n, a->spin_ns, a->yield));
+    }
+    PyEval_RestoreThread(saved);
+    if (!streamed || !wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step) ||
+        (b->lending && peer_lent(self, a->step)))
+        return PUBLISHED;
+    if (b->lending) publish_counter(self, a->step + 2);  /* the lenders' step: nobody reads this rank's buffer */
+    return DONE;
 }
 
 /* The step of `b` on an acquired send buffer: how far it got (NOT_STARTED, PUBLISHED or DONE; DONE with
@@ -522,6 +659,8 @@ static int peer_lent(const Kernel *k, uint64_t step) {
 static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
     if (self->size > MAX_KERNEL_RANKS || (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield)))
         return NOT_STARTED;
+    if (b->kind == BLOCKS_GATHER && b->block >= STREAM_FROM)
+        return step_gather_streamed(self, a, b);
     int unlocked = b->block * self->size >= COPY_UNLOCKED;  /* large copies let other threads (thread ranks) run */
     PyThreadState *saved = unlocked ? PyEval_SaveThread() : NULL;
     publish_blocks(self, a, b);
@@ -771,6 +910,7 @@ static PyMethodDef shared_methods[] = {
 
 /* The constants this file shares with Python: tcoll.shm.arena compares them at import (check_kernel). */
 static int add_shared(PyObject *m) {
+
     static const char *dtypes[NDTYPES] = {"float32", "float64", "int8", "int16", "int32", "int64", "uint8",
                                           "uint16", "uint32", "uint64", "float16", "bfloat16"};
     static const char *ops[NOPS] = {"sum", "prod", "min", "max", "band", "bor", "bxor"};

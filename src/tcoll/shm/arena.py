@@ -54,7 +54,9 @@ _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a ful
 # own memory, set 1's its verdict on single copies (0: not yet, 1: it reads every peer, 2: it cannot).
 _PID_WORD, _ADDRESS_WORD, _VERDICT_WORD, _CAN, _CANNOT = 6, 7, 6, 1, 2  # (the last two: verdicts)
 _SINGLE_COPY_FLAG = 1 << 63  # a descriptor's heap-id word with this bit: the buffer is read by single copies
-# The steps a run_split took, by the state it returned.
+# The steps a kernel step took, by the state it returned: a call that may lend (DONE: with the lenders' step);
+# a run_split.
+LENDING_STEPS = {kernel_module.PUBLISHED: 1, kernel_module.DONE: 2} if kernel_module is not None else {}
 _SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
                       if kernel_module is not None else {})
 
@@ -254,14 +256,11 @@ class Arena:
         """
         return self.kernel_step("run_split", (buf, dtype, op), (want,), _SPLIT_STEPS_TAKEN)
 
-    def run_broadcast(self, buf: np.ndarray, root: int) -> int:
-        """A broadcast that fits a slot, in the kernel's one step (tcoll.shm.vector.broadcast).
-
-        Returns:
-            kernel_module.DONE; PUBLISHED: the step is published, and `agree` and the copy out of root's slot
-            are the caller's; NOT_STARTED.
-        """
-        return self.kernel_step("run_broadcast", (buf, root), ())
+    def run_broadcast(self, buf: np.ndarray, root: int, lending: bool = False) -> int:
+        """A broadcast that fits a slot, in the kernel's one step (tcoll.shm.vector.broadcast); `lending`: of
+        ZERO_COPY_BYTES or more, root's buffer not lent. Returns DONE (with the lenders' step if `lending`);
+        PUBLISHED: `agree`, the copy and finish_lending are the caller's; NOT_STARTED."""
+        return self.kernel_step("run_broadcast", (buf, root, lending), (), LENDING_STEPS if lending else None)
 
     def kernel_step(self, method: str, head: tuple[Any, ...], tail: tuple[Any, ...],
                     taken: dict[int, int] | None = None) -> int:
@@ -489,9 +488,10 @@ class Arena:
 
 
 def _layout(size: int) -> tuple[int, int]:
-    """Byte offsets of the descriptors and of the slots, for `size` ranks (counters come first)."""
+    """Byte offsets of the descriptors and of the slots, for `size` ranks (counters first; before the slots, a
+    64-byte progress line per rank that only the C kernel's streamed steps use: Python publishes whole steps)."""
     desc_at = (8 * size + 63) & ~63
-    data_at = (desc_at + 8 * DESC_WORDS * SETS * size + 4095) & ~4095
+    data_at = (((desc_at + 8 * DESC_WORDS * SETS * size + 63) & ~63) + 64 * size + 4095) & ~4095
     return desc_at, data_at
 
 

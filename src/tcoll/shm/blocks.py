@@ -16,7 +16,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import displacements
 from ..ops import Op
-from .arena import ZERO_COPY_BYTES, Arena
+from .arena import LENDING_STEPS, ZERO_COPY_BYTES, Arena
 from .bridge import combine_all, copy_bytes, kernel_codes, may_fail
 from .kernel_abi import kernel_module
 
@@ -63,10 +63,7 @@ def _in_kernel(arena: Arena, kind: str, send: np.ndarray, out: np.ndarray | None
         return NOT_STARTED
     code = getattr(kernel_module, "BLOCKS_" + kind)
     return arena.kernel_step("run_blocks", (send, out, code, nbytes[0], root, *codes, lending), (),
-                             _LENDING_STEPS if lending else None)
-
-
-_LENDING_STEPS = {PUBLISHED: 1, DONE: 2}  # steps a call that may lend took in the kernel, by how far it got
+                             LENDING_STEPS if lending else None)
 
 
 def _write_shares(slot: np.ndarray, raw: np.ndarray, nbytes: list[int], disp: list[int], lo: int, share: int,

@@ -260,7 +260,7 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     self->split = split;
     self->root = root;
     self->blocks = blocks;
-    self->lending = blocks >= 0 && lending;
+    self->lending = (blocks >= 0 || root >= 0) && lending;  /* (a reduction never lends in the kernel) */
     if (blocks >= 0) {  /* a block call's result depends on the arrays' shapes too: kept, and compared at each run */
         if ((self->shape = PyObject_GetAttr(x, S_shape)) == NULL) return -1;
         if (out != Py_None) {
@@ -410,7 +410,7 @@ static PyObject *Express_run(Express *self, PyObject *x) {
                     has_out ? out.buf : NULL, self->lending};
         state = step_blocks(kernel, &a, &b);
     } else {
-        state = self->root >= 0 ? step_broadcast(kernel, &a, self->root)
+        state = self->root >= 0 ? step_broadcast(kernel, &a, self->root, self->lending)
                 : self->split ? step_split(kernel, &a) : step_small(kernel, &a);
     }
     step_over(kernel);

@@ -90,7 +90,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     Only an all_reduce or reduce that runs on the arena's one-step or split kernel takes it (a
     NumPy array that is the call's own buffer, a built-in op the kernel reduces in the array's
     dtype, a result that needs no finishing: avg divides, Python does; at most one slot), or a
-    broadcast of such an array in the kernel's one step (under 64 KiB: larger ones lend root's buffer).
+    broadcast of such an array in the kernel's one step (where root's buffer is not lent).
 
     Returns:
         A kernel_module.Express: `run(x)` gives the call's result, or None when the Python path must run
@@ -114,10 +114,12 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     if flat.nbytes != x.nbytes or flat.nbytes > arena.slot_bytes or \
             flat.__array_interface__["data"][0] != x.__array_interface__["data"][0]:
         return None
+    lending = False
     if call.collective in ("broadcast", "barrier"):  # one step, as tcoll.shm.vector takes it in the kernel
-        if flat.nbytes >= ZERO_COPY_BYTES:
-            return None
         root = call.root if call.collective == "broadcast" else 0  # (a barrier: a broadcast of no bytes)
+        lending = flat.nbytes >= ZERO_COPY_BYTES  # (a root that lends its buffer takes the Python steps)
+        if lending and dispatcher.rank == root and arena.lend(flat.view(np.uint8), flat.nbytes) is not None:
+            return None
         codes, want, split = (KERNEL_DTYPES[np.dtype(np.uint8)], 0), dispatcher.rank != root, False
     else:
         op = call.args[1]
@@ -130,7 +132,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     return kernel_module.Express(
         agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], want,
-        split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0, False)
+        split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0, lending)
 
 
 def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:

@@ -355,10 +355,10 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
         return
     raw = _raw(buf)
     total = raw.nbytes
-    if arena.kernel is not None and total < ZERO_COPY_BYTES and total <= arena.slot_bytes and \
+    ref = arena.lend(raw, total) if me == root else None
+    if ref is None and arena.kernel is not None and total <= arena.slot_bytes and \
             _broadcast_one_step(arena, raw, root):
         return
-    ref = arena.lend(raw, total) if me == root else None
     step = arena.first_step(ref)
     if me == root and ref is None:
         copy_bytes(arena, arena.slot(me, step)[:min(total, arena.slot_bytes)], raw[:arena.slot_bytes])
@@ -377,17 +377,21 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
 
 
 def _broadcast_one_step(arena: Arena, raw: np.ndarray, root: int) -> bool:
-    """A broadcast that fits a slot (and lends nothing) in the C kernel's one step, as the steps below take it;
-    whether it ran (False: nothing happened, the Python steps run it). Where the kernel stops (a late peer,
-    descriptors that differ), Python goes on: the check, then the copy out of root's slot."""
-    state = arena.run_broadcast(raw, root)
+    """A broadcast that fits a slot (root's buffer not lent) in the C kernel's one step, as the steps below take
+    it (from 32 KiB streamed: the others copy each chunk as root writes it); whether it ran (False: nothing
+    happened, the Python steps run it). Where the kernel stops (a late peer, descriptors that differ, a root
+    in Python that lent its buffer), Python goes on: the check, then the copy out of root's slot or buffer."""
+    lending = raw.nbytes >= ZERO_COPY_BYTES
+    state = arena.run_broadcast(raw, root, lending)
     if state == DONE:
         return True
     if state != PUBLISHED:
         return False
     arena.agree(arena.first)
     if arena.rank != root:
-        copy_bytes(arena, raw, arena.slot(root, arena.first)[:raw.nbytes])
+        source = arena.peer_buffer(arena.first, root) if lending else None
+        copy_bytes(arena, raw, arena.slot(root, arena.first)[:raw.nbytes] if source is None else source)
+    arena.finish_lending(raw.nbytes, False)
     return True
 
 
