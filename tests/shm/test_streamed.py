@@ -97,9 +97,9 @@ def test_a_lent_root_buffer_is_read_in_place_beside_streaming_readers() -> None:
     assert any(states.get(K.PUBLISHED) for _, states in results), results  # (the root lent: Python reads)
 
 
-def differing(comm: tcoll.Communicator, name: str) -> tuple[str, bool]:
-    """Rank 0 passes 40 KiB where the others pass 48 KiB; then a right call."""
-    x = np.ones((40 if comm.rank == 0 else 48) << 8, np.float32)
+def differing(comm: tcoll.Communicator, name: str, kib: tuple[int, int]) -> tuple[str, bool]:
+    """Rank 0 passes kib[0] KiB where the others pass kib[1] KiB; then a right call."""
+    x = np.ones(kib[0 if comm.rank == 0 else 1] << 8, np.float32)
     try:
         if name == "broadcast":
             comm.broadcast(x, root=1, algorithm="shm")
@@ -116,8 +116,9 @@ def differing(comm: tcoll.Communicator, name: str) -> tuple[str, bool]:
 @needs_kernel
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["broadcast", "gather"])
-def test_streamed_calls_that_differ_raise_on_every_rank(name: str) -> None:
-    results = tcoll.spawn(differing, 3, (name,), timeout=50, transport="shm")
+@pytest.mark.parametrize("kib", [(40, 48), (40, 80)])  # (the second: one step against the lenders' two)
+def test_streamed_calls_that_differ_raise_on_every_rank(name: str, kib: tuple[int, int]) -> None:
+    results = tcoll.spawn(differing, 3, (name, kib), timeout=50, transport="shm")
     for rank, (said, after_ok) in enumerate(results):
         assert "where rank" in said or "disagree" in said, (name, rank, said)
         assert after_ok, (name, rank)

@@ -489,7 +489,7 @@ static PyObject *Kernel_run_split(Kernel *self, PyObject *const *args, Py_ssize_
  * descriptor (a call that differs raises in Python, whatever was copied). `lending`: the call is large enough
  * to lend (tcoll.shm.arena.ZERO_COPY_BYTES), so it ends with the lenders' step, which this rank publishes
  * (root here lends nothing; a root that lent leaves the reading of its buffer to Python). How far it got:
- * NOT_STARTED, PUBLISHED (the check and the copy are Python's) or DONE. */
+ * NOT_STARTED, PUBLISHED (the check, the copy and the lenders' step are Python's) or DONE. */
 #define STREAM_FROM (32 << 10)
 
 static long step_broadcast(Kernel *self, const RunArgs *a, int root, int lending) {
