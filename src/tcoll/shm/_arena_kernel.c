@@ -381,21 +381,19 @@ static void copy_parts_out(const Kernel *k, uint64_t step, Py_ssize_t item, uint
  * passed the step (a writer in Python, which never writes the line, or one that moved on). */
 #define STREAM_CHUNK (16 << 10)  /* broadcasts of 64 KiB-1 MiB on 2 ranks: 8 and 16 KiB tied; 4, 32, 64 KiB slower */
 
-/* Announce that this rank streams `step` (its descriptor, written before, is visible with it). */
-static void stream_start(const Kernel *k, uint64_t step) {
+/* Describe the call first (describe_step). Then, as the writer: announce that this rank streams the step,
+ * copy `len` bytes of `src` into its slot a chunk at a time, announcing each, and publish the step. */
+static void stream_slot(const Kernel *k, const RunArgs *a, const uint8_t *src, Py_ssize_t len) {
     uint64_t *line = k->progress + (Py_ssize_t)k->rank * (PROGRESS_LINE / 8);
+    uint8_t *slot = slot_of(k, k->rank, a->step);
     __atomic_store_n(&line[1], 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&line[0], step + 1, __ATOMIC_RELEASE);
-}
-
-/* Copy `len` bytes to this rank's slot, announcing each chunk (bytes written up to `at` + those copied). */
-static void stream_in(const Kernel *k, uint8_t *slot, const uint8_t *src, Py_ssize_t len, Py_ssize_t at) {
-    uint64_t *line = k->progress + (Py_ssize_t)k->rank * (PROGRESS_LINE / 8);
+    __atomic_store_n(&line[0], a->step + 1, __ATOMIC_RELEASE);  /* (the descriptor is visible with it) */
     for (Py_ssize_t lo = 0; lo < len; lo += STREAM_CHUNK) {
         Py_ssize_t n = len - lo < STREAM_CHUNK ? len - lo : STREAM_CHUNK;
         tc_copy(slot + lo, src + lo, (size_t)n);
-        __atomic_store_n(&line[1], (uint64_t)(at + lo + n), __ATOMIC_RELEASE);
+        __atomic_store_n(&line[1], (uint64_t)(lo + n), __ATOMIC_RELEASE);
     }
+    publish_counter(k, a->step + 1);
 }
 
 /* Bytes of `rank`'s slot of `step` written so far: all (PY_SSIZE_T_MAX) once its counter passed the step;
@@ -410,7 +408,6 @@ static Py_ssize_t written(const Kernel *k, int rank, uint64_t step) {
 
 /* Wait (at most `spin_ns` without progress) until `rank` has written `need` bytes of `step`; 0: it did not. */
 static int wait_written(const Kernel *k, int rank, uint64_t step, Py_ssize_t need, uint64_t spin_ns, int yield) {
-    if (written(k, rank, step) >= need) return 1;
     uint64_t start = now_ns();
     while (written(k, rank, step) < need) {
         if (now_ns() - start >= spin_ns) return 0;
@@ -420,32 +417,43 @@ static int wait_written(const Kernel *k, int rank, uint64_t step, Py_ssize_t nee
     return 1;
 }
 
-/* Copy bytes [from, from + len) of `rank`'s slot of `step` to `dst` as they are written; 0: the writer made no
- * progress within `spin_ns` (what was copied stays; the caller copies the whole again once it published). */
-static int stream_out(const Kernel *k, int rank, uint64_t step, uint8_t *dst, Py_ssize_t from, Py_ssize_t len,
-                      uint64_t spin_ns, int yield) {
-    const uint8_t *slot = slot_of(k, rank, step) + from;
-    Py_ssize_t done = 0;
-    while (done < len) {
-        Py_ssize_t ready = written(k, rank, step) - from;
-        if (ready > len) ready = len;
-        if (ready <= done) {
-            if (!wait_written(k, rank, step, from + done + (len - done < STREAM_CHUNK ? len - done : STREAM_CHUNK),
-                              spin_ns, yield))
-                return 0;
-            continue;
-        }
-        tc_copy(dst + done, slot + done, (size_t)(ready - done));
-        done = ready;
-    }
-    return 1;
-}
-
 /* Whether `rank` describes the call of `step` as this rank does and lent nothing (its descriptor visible). */
 static int describes_mine(const Kernel *k, int rank, uint64_t step) {
     const uint64_t *base = k->desc + (Py_ssize_t)(step % SETS) * k->size * DESC_WORDS;
     const uint64_t *mine = base + (Py_ssize_t)k->rank * DESC_WORDS, *theirs = base + (Py_ssize_t)rank * DESC_WORDS;
     return theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[2] == mine[2] && theirs[3] == 0;
+}
+
+/* As the reader: once `rank` describes the call of this step as this rank does (and lent nothing), copy the
+ * first `len` bytes of its slot to `dst` as they are written. 0: it describes another call, or made no
+ * progress within the spin (what was copied stays; the caller copies the whole again once it published). */
+static int read_stream(const Kernel *k, const RunArgs *a, int rank, uint8_t *dst, Py_ssize_t len) {
+    if (!wait_written(k, rank, a->step, 0, a->spin_ns, a->yield) || !describes_mine(k, rank, a->step)) return 0;
+    const uint8_t *slot = slot_of(k, rank, a->step);
+    Py_ssize_t done = 0;
+    while (done < len) {
+        Py_ssize_t ready = written(k, rank, a->step);
+        if (ready > len) ready = len;
+        if (ready > done) {
+            tc_copy(dst + done, slot + done, (size_t)(ready - done));
+            done = ready;
+        } else if (!wait_written(k, rank, a->step, done + (len - done < STREAM_CHUNK ? len - done : STREAM_CHUNK),
+                                 a->spin_ns, a->yield)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The end of a streamed step (`streamed`: this rank's part went whole): once every rank published it, every
+ * descriptor names this call and, where the call may lend, nobody lent, publish the lenders' step too (this
+ * rank lent nothing) and return DONE; else PUBLISHED (Python checks and copies again). */
+static long close_streamed(const Kernel *k, const RunArgs *a, int streamed, int lending) {
+    if (!streamed || !wait_all(k, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(k, a->step) ||
+        (lending && peer_lent(k, a->step)))
+        return PUBLISHED;
+    if (lending) publish_counter(k, a->step + 2);
+    return DONE;
 }
 
 /* run_split(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want): a call that fits a slot, in three
@@ -506,17 +514,13 @@ static long step_broadcast(Kernel *self, const RunArgs *a, int root, int lending
         int streamed = 1;
         PyThreadState *saved = PyEval_SaveThread();  /* (thread ranks: the others run meanwhile) */
         if (self->rank == root) {
-            stream_start(self, a->step);
-            stream_in(self, slot_of(self, root, a->step), a->view.buf, len, 0);
-            publish_counter(self, a->step + 1);
+            stream_slot(self, a, a->view.buf, len);
         } else {
             publish_counter(self, a->step + 1);
-            streamed = wait_written(self, root, a->step, 0, a->spin_ns, a->yield) && describes_mine(self, root, a->step)
-                       && stream_out(self, root, a->step, a->view.buf, 0, len, a->spin_ns, a->yield);
+            streamed = read_stream(self, a, root, a->view.buf, len);
         }
         PyEval_RestoreThread(saved);
-        if (!streamed || !wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step))
-            return PUBLISHED;
+        return close_streamed(self, a, streamed, lending);
     }
     if (lending) publish_counter(self, a->step + 2);  /* the lenders' step: nobody lent */
     return DONE;
@@ -635,23 +639,15 @@ static long step_gather_streamed(Kernel *self, const RunArgs *a, const Blocks *b
     describe_step(self, a);
     PyThreadState *saved = PyEval_SaveThread();
     if (self->rank != b->root) {
-        stream_start(self, a->step);
-        stream_in(self, slot_of(self, self->rank, a->step), a->view.buf, n, 0);
-        publish_counter(self, a->step + 1);
+        stream_slot(self, a, a->view.buf, n);
     } else {
         publish_counter(self, a->step + 1);
         tc_copy(b->out + (Py_ssize_t)b->root * n, a->view.buf, (size_t)n);
         for (int q = 0; q < self->size && streamed; q++)
-            streamed = q == self->rank || (wait_written(self, q, a->step, 0, a->spin_ns, a->yield) &&
-                                           describes_mine(self, q, a->step) &&
-                                           stream_out(self, q, a->step, b->out + q * n, 0, n, a->spin_ns, a->yield));
+            streamed = q == self->rank || read_stream(self, a, q, b->out + q * n, n);
     }
     PyEval_RestoreThread(saved);
-    if (!streamed || !wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step) ||
-        (b->lending && peer_lent(self, a->step)))
-        return PUBLISHED;
-    if (b->lending) publish_counter(self, a->step + 2);  /* the lenders' step: nobody reads this rank's buffer */
-    return DONE;
+    return close_streamed(self, a, streamed, b->lending);
 }
 
 /* The step of `b` on an acquired send buffer: how far it got (NOT_STARTED, PUBLISHED or DONE; DONE with
