@@ -24,7 +24,7 @@ def test_the_built_kernel_matches() -> None:
     assert kernel.SETS == kernel_abi.SETS and len(kernel.DTYPES) == len(kernel_abi.KERNEL_DTYPES)
 
 
-@pytest.mark.parametrize("name,value", [("SETS", 3), ("DESC_WORDS", 9)])
+@pytest.mark.parametrize("name,value", [("SETS", 3), ("DESC_WORDS", 9), ("PROGRESS_LINE", 128)])
 def test_a_layout_constant_changed_in_python_only_refuses_the_kernel(monkeypatch: pytest.MonkeyPatch, name: str,
                                                                     value: int) -> None:
     monkeypatch.setattr(kernel_abi, name, value)

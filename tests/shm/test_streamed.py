@@ -17,6 +17,7 @@ import pytest
 
 import tcoll
 from tcoll.shm import arena as arena_module
+from tcoll.shm.kernel_abi import PROGRESS_LINE
 
 from helpers.fake_arena import STAMP, CountingKernel, FakeArena
 from helpers.mismatch import assert_every_rank_raised, mismatch_said
@@ -121,8 +122,8 @@ class WideArena(FakeArena):
 
 def _progress(fake: FakeArena, rank: int) -> np.ndarray:
     """Rank `rank`'s progress line: the step it streams (+ 1), its bytes written."""
-    at = (fake.desc_at + 8 * 8 * 2 * 2 + 63) & ~63
-    return np.frombuffer(fake.map, np.uint64, 2, at + 64 * rank)
+    at = (fake.desc_at + 8 * 8 * 2 * 2 + 63) & ~63  # (after the descriptors: tcoll.shm.arena._layout)
+    return np.frombuffer(fake.map, np.uint64, 2, at + PROGRESS_LINE * rank)
 
 
 def _broadcast(fake: FakeArena, buf: np.ndarray, root: int, stamp: int = STAMP, step: int = 0) -> int:

@@ -918,7 +918,8 @@ static int add_shared(PyObject *m) {
     names = NULL;
     if (PyModule_AddObject(m, "OPS", op_names) < 0) goto fail;
     op_names = NULL;
-    if (PyModule_AddIntConstant(m, "SETS", SETS) < 0 || PyModule_AddIntConstant(m, "DESC_WORDS", DESC_WORDS) < 0)
+    if (PyModule_AddIntConstant(m, "SETS", SETS) < 0 || PyModule_AddIntConstant(m, "DESC_WORDS", DESC_WORDS) < 0 ||
+        PyModule_AddIntConstant(m, "PROGRESS_LINE", PROGRESS_LINE) < 0)
         return -1;
     return PyModule_AddFunctions(m, shared_methods);
 fail:

@@ -38,7 +38,7 @@ from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
 from ..segments import Segment
 
 from . import single_copy
-from .kernel_abi import DESC_WORDS, KERNEL_DTYPES, KERNEL_OPS, SETS, kernel_module
+from .kernel_abi import DESC_WORDS, KERNEL_DTYPES, KERNEL_OPS, PROGRESS_LINE, SETS, kernel_module
 
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
@@ -489,9 +489,9 @@ class Arena:
 
 def _layout(size: int) -> tuple[int, int]:
     """Byte offsets of the descriptors and of the slots, for `size` ranks (counters first; before the slots, a
-    64-byte progress line per rank that only the C kernel's streamed steps use: Python publishes whole steps)."""
+    progress line per rank that only the C kernel's streamed steps use: Python publishes whole steps)."""
     desc_at = (8 * size + 63) & ~63
-    data_at = (((desc_at + 8 * DESC_WORDS * SETS * size + 63) & ~63) + 64 * size + 4095) & ~4095
+    data_at = (((desc_at + 8 * DESC_WORDS * SETS * size + 63) & ~63) + PROGRESS_LINE * size + 4095) & ~4095
     return desc_at, data_at
 
 
