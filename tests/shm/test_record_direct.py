@@ -13,7 +13,7 @@ from tcoll.algos.registry import REGISTRY
 from tcoll.algos.topology import part_bounds
 from tcoll.comm.describe import META_BYTES
 from tcoll.shm import record as shm_record
-from tcoll.shm.address import agreed_slot
+from tcoll.shm.address import agreed_piece, agreed_slot
 from tcoll.shm.arena import ZERO_COPY_BYTES
 from tcoll.shm.record import record_direct
 from tcoll.shm.vector import one_step_limit
@@ -42,6 +42,8 @@ def expected(collective: str, size: int, rank: int, count: int, slot: int, root:
         gets = collective == "all_reduce" or rank == root
         if n <= slot and n <= one_step_limit(p):  # one step: each rank reduces all slots
             return (n, 0), (p - 1) * n if gets else 0, 1
+        if n > slot:  # larger than a slot: in pieces of the arena's piece size
+            piece = agreed_piece(slot) // ITEM * ITEM
         parts = [part_bounds(min(piece, n - lo) // ITEM, p, rank) for lo in range(0, n, piece)]
         mine = ITEM * sum(hi - lo for lo, hi in parts)  # this rank's 1/p of every piece
         # its own part is never copied in: it reads it from its buffer and reduces it into its own part of its

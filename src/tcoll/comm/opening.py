@@ -13,7 +13,7 @@ import numpy as np
 
 from ..algos.registry import lookup
 from ..errors import TransportError
-from ..shm.address import ADDRESS_BYTES, agreed_slot, create_segment, decode_address, encode_address, open_segment
+from ..shm.address import ADDRESS_BYTES, agreed_piece, agreed_slot, create_segment, decode_address, encode_address, open_segment
 from ..shm.arena import Arena
 from ..shm.heap import heap_of
 from ..shm.vector import one_step_limit
@@ -63,7 +63,8 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
         one_step = one_step_limit(dispatcher.size, engine.spin.oversubscribed) if one_step < 0 else one_step
         try:
             segment = create_segment(dispatcher.run_id, engine.rank, dispatcher.size, slot, engine.host_shares_pids)
-            address = encode_address(slot, one_step, segment, engine.settings.shm_single_copy == "on")
+            piece = agreed_piece(slot, engine.spin.oversubscribed)
+            address = encode_address(slot, one_step, piece, segment, engine.settings.shm_single_copy == "on")
         except TransportError as exc:
             failure = exc  # the others learn it from the empty address
     try:
@@ -75,11 +76,11 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
         found = decode_address(address)
         if found is None:
             raise TransportError("rank 0 could not create the shared-memory collective arena")
-        slot, one_step, single_copy, path, name = found
+        slot, one_step, piece, single_copy, path, name = found
         if segment is None:
             segment = open_segment(path, name)
         arena = Arena(engine, dispatcher.world, dispatcher.rank, segment, slot, heap_of(engine, dispatcher.run_id),
-                      one_step)
+                      one_step, piece)
         if single_copy:  # rank 0 tries them (TCOLL_SHM_SINGLE_COPY=on there): this rank's setting has its say
             arena.write_identity(engine.settings.shm_single_copy == "on" and engine.host_shares_pids)
         _arena_barrier(dispatcher, team, opening, running)

@@ -352,16 +352,18 @@ static void part_bounds(Py_ssize_t count, int parts, int index, Py_ssize_t *lo, 
     *hi = *lo + base + (index < extra);
 }
 
-/* This rank's part of the call of `step`, reduced in rank order over every rank's input (the others' slots,
- * this rank's own buffer `mine`, whose part never went into its slot), into this rank's own part of its slot,
- * where the others read it, and into `mine` at that part too when `want` (reduce_parts). */
-static int reduce_part(const Kernel *k, uint64_t step, int dtype, int op, uint8_t *mine, int want, Py_ssize_t n) {
+/* This rank's part of the `n` items at `mine` (its buffer, or a piece of it), reduced in rank order over every
+ * rank's input: the others' slots of `in_step` at that part, this rank's own `mine` there (its own part never
+ * went into its slot). Into its slot of `out_step` at that part, where the others read it, and into `mine`
+ * there too when `want` (reduce_parts). 0: this dtype does not take the op in C. */
+static int reduce_part(const Kernel *k, uint64_t in_step, uint64_t out_step, int dtype, int op, uint8_t *mine,
+                       int want, Py_ssize_t n) {
     Py_ssize_t lo, hi, item = ITEMSIZE[dtype];
     part_bounds(n, k->size, k->rank, &lo, &hi);
     const uint8_t *ins[MAX_KERNEL_RANKS];
     for (int q = 0; q < k->size; q++)
-        ins[q] = q == k->rank ? mine + lo * item : slot_of(k, q, step) + lo * item;
-    uint8_t *outs[2] = {slot_of(k, k->rank, step) + lo * item, mine + lo * item};
+        ins[q] = q == k->rank ? mine + lo * item : slot_of(k, q, in_step) + lo * item;
+    uint8_t *outs[2] = {slot_of(k, k->rank, out_step) + lo * item, mine + lo * item};
     return reduce_parts(dtype, op, ins, k->size, outs, want ? 2 : 1, hi - lo);
 }
 
@@ -468,7 +470,7 @@ static long step_split(Kernel *self, const RunArgs *a) {
     part_bounds(n, self->size, self->rank, &lo, &hi);
     long state = self->size > MAX_KERNEL_RANKS ? NOT_STARTED : claim_and_publish(self, a, lo * item, hi * item);
     if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) ||
-        !descriptors_agree(self, a->step) || !reduce_part(self, a->step, a->dtype, a->op, a->view.buf, a->want, n))
+        !descriptors_agree(self, a->step) || !reduce_part(self, a->step, a->step, a->dtype, a->op, a->view.buf, a->want, n))
         return state;
     publish_counter(self, a->step + 2);
     if (a->want) {
@@ -729,6 +731,7 @@ static PyObject *Kernel_retire(Kernel *self, PyObject *unused) {
 static PyTypeObject KernelType;  /* (defined below; the express call checks its argument against it) */
 
 #include "express.h"
+#include "pieces.h"
 
 /* combine(dtype, op, out, lower, higher): out = lower op higher over buffers of equal length (out may be
  * lower); False if this dtype does not take the op here. The pipelined steps reduce their pieces with it. */
@@ -863,6 +866,8 @@ static PyMethodDef Kernel_methods[] = {
      "A broadcast's one step (see step_broadcast)."},
     {"run_split", (PyCFunction)(void (*)(void))Kernel_run_split, METH_FASTCALL,
      "A call that fits a slot, in three steps (see the source)."},
+    {"run_pieces", (PyCFunction)(void (*)(void))Kernel_run_pieces, METH_FASTCALL,
+     "A large all_reduce's or reduce's pieces, from a phase on (see pieces.h)."},
     {"run_blocks", (PyCFunction)(void (*)(void))Kernel_run_blocks, METH_FASTCALL,
      "An all_gather's, gather's, all_to_all's or reduce_scatter's one step (see step_blocks)."},
     {"retire", (PyCFunction)Kernel_retire, METH_NOARGS, "The arena closes: express calls no longer use it."},

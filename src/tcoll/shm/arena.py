@@ -43,8 +43,7 @@ from .kernel_abi import DESC_WORDS, KERNEL_DTYPES, KERNEL_OPS, PROGRESS_LINE, SE
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
 
-__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "SETS", "ZERO_COPY_BYTES",
-           "arena_bytes"]
+__all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "SETS", "ZERO_COPY_BYTES", "arena_bytes"]
 
 _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress per so many polls
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
@@ -71,19 +70,20 @@ class Arena:
     Attributes:
         rank: this rank in the communicator.
         size: the number of ranks.
-        slot_bytes: bytes of one slot.
+        slot_bytes, piece_bytes: bytes of one slot; of a piece of an all_reduce/reduce larger than one.
         step: the next step number (equal on every rank between calls).
         timeout: seconds a wait may take before TimeoutError (the caller's timeout).
         heap: this process's zero-copy heap (tcoll.shm.heap), or None.
     """
 
     def __init__(self, engine: Engine, world: list[int], rank: int, segment: Segment, slot_bytes: int,
-                 heap: Any, one_step_bytes: int) -> None:
+                 heap: Any, one_step_bytes: int, piece_bytes: int) -> None:
         buf = segment.map
         self.rank = rank
         self.size = len(world)
         self.slot_bytes = slot_bytes
         self.one_step_bytes = one_step_bytes  # rank 0's limit of one-step reductions (tcoll.shm.vector)
+        self.piece_bytes = piece_bytes  # and its pieces of larger ones (agreed_piece)
         self.step = 0
         self.timeout = engine.settings.timeout
         self.heap = heap

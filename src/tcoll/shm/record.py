@@ -35,7 +35,7 @@ import numpy as np
 from ..algos.record import Reduction, Schedule, SlotAccess, call_arguments
 from ..algos.registry import lookup
 from ..ops import Op, as_op
-from .address import agreed_slot
+from .address import agreed_piece, agreed_slot
 from .arena import ZERO_COPY_BYTES
 from .vector import one_step_limit
 
@@ -97,7 +97,7 @@ class RecordingArena:
     """The Arena interface (tcoll.shm.arena.Arena) for one rank of a recording: waits return at once.
 
     Attributes:
-        rank, size, slot_bytes, step, first, heap (None: nothing is lent), kernel (None), as on Arena.
+        rank, size, slot_bytes, piece_bytes, step, first, heap (None: nothing is lent), kernel (None), as on Arena.
         seen: per rank, the highest step this rank waited for it to publish (-1: none).
         published: the steps this rank published, so far.
     """
@@ -106,6 +106,7 @@ class RecordingArena:
         self.schedule = schedule
         self.rank, self.size, self.slot_bytes = rank, schedule.size, slot_bytes
         self.one_step_bytes = one_step_limit(self.size)  # as rank 0 of a real arena hands it out
+        self.piece_bytes = agreed_piece(slot_bytes)
         self.step = self.first = 0
         self.heap = None
         self.kernel = None  # the schedule is the one the Python steps (which the C kernel mirrors) take

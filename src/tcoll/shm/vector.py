@@ -29,6 +29,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
+from .address import PIECE_BYTES
 from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_module
 from . import express
 from .express import NOTHING
@@ -91,7 +92,7 @@ def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
         return 0.0
     if nbytes <= min(1 << 20, one_step_limit(size)):
         return ARENA_SYNC + nbytes * ARENA_COPY + (size - 1) * nbytes * ARENA_REDUCE
-    steps = 2 * -(-nbytes // (1 << 20))  # the others' parts in, its own part's result, the others' parts out
+    steps = 2 * -(-nbytes // PIECE_BYTES)  # per piece: the others' parts in; its own part's result (then out)
     return steps * ARENA_SYNC + (2 * size - 1) / size * nbytes * ARENA_COPY + (size - 1) / size * nbytes * ARENA_REDUCE
 
 
@@ -103,8 +104,9 @@ def all_reduce(arena: Arena, buf: np.ndarray, op: Op) -> None:
     which every rank reduces all slots itself; up to a slot, three steps (write
     all but this rank's own 1/p, publish; reduce its 1/p over every rank's input,
     its own read in place, into its own part of its slot and of its buffer,
-    publish; copy the other parts out, publish); larger, the same per slot-sized
-    piece, the result in this rank's slot of the next step. Memory traffic per
+    publish; copy the other parts out, publish); larger, the same per piece (the
+    arena's piece_bytes: tcoll.shm.address.agreed_piece), the result in this
+    rank's slot of the next step, the pieces in the C kernel's loop. Memory traffic per
     rank: (p-1)/p n bytes in, n reduced from p inputs / p, n/p written twice,
     (p-1)/p n bytes out. Operands in rank order.
     """
@@ -238,42 +240,86 @@ def _copy_other_parts(arena: Arena, raw: np.ndarray, dtype: np.dtype, lo: int, h
 
 
 def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
-    """Per slot-sized piece: write all but this rank's own part of it, publish; reduce that part over every
+    """Per piece (arena.piece_bytes): write all but this rank's own part of it, publish; reduce that part over every
     rank's input (its own in place) into this rank's slot of the next step and its buffer, publish; copy
     the other ranks' parts out. A buffer lent in place (comm.empty) is read there, not copied in.
 
-    An all_reduce whose every rank lent its buffer goes on in place after the first step instead
-    (_all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
+    The C kernel runs the pieces (pieces.h) where it takes the dtype and op and nobody lent; where it stops
+    (a wait past its spin, descriptors that differ, a peer that lent), Python takes that phase and calls it
+    again for the rest. An all_reduce whose every rank lent its buffer goes on in place after the first step
+    instead (_all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
     """
-    size, me, dtype = arena.size, arena.rank, buf.dtype
     raw = _raw(buf)
-    total = raw.nbytes
-    ref = arena.lend(raw, total, anywhere=root is None)
-    piece = arena.slot_bytes // dtype.itemsize * dtype.itemsize
-    sources: list[np.ndarray | None] = []
-    wants_result = root is None or me == root
-    for lo in range(0, total, piece):
-        hi = min(total, lo + piece)
-        a, b = _own_part(arena, hi - lo, dtype)
-        step = arena.first_step(ref) if lo == 0 else arena.claim()
-        if ref is None:
-            _copy_in_but_own_part(arena, arena.slot(me, step), raw[lo:hi], (a, b))
-        arena.publish(step)
-        if lo == 0:
-            arena.agree(step)
-            if root is None and arena.all_lent(step):
-                _all_reduce_in_place(arena, raw, dtype, op, step)
-                return
-            sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
+    call = _Pieces(arena, raw, buf.dtype, op, root, arena.lend(raw, raw.nbytes, anywhere=root is None))
+    done = 0
+    while done < call.phases:
+        done = call.run_kernel(done)
+        if done < call.phases:
+            if call.run_phase(done):
+                return  # went on in place
+            done += 1
+
+
+class _Pieces:
+    """One large all_reduce / reduce in pieces of arena.piece_bytes, as phases (three per piece, pieces.h): 0, write
+    the input and publish; 1, reduce this rank's part into its slot of the result step and publish; 2, copy
+    the other ranks' parts out. Python runs any phase; the kernel runs as many as it can from one on."""
+
+    def __init__(self, arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, root: int | None,
+                 ref: tuple[int, int, int] | None) -> None:
+        self.arena, self.raw, self.dtype, self.op, self.root, self.ref = arena, raw, dtype, op, root, ref
+        self.total = raw.nbytes
+        self.piece = arena.piece_bytes // dtype.itemsize * dtype.itemsize
+        self.phases = 3 * -(-self.total // self.piece)
+        self.first = arena.step  # the call's first step; piece i's input step is first + 2i, its result's next
+        self.wants_result = root is None or arena.rank == root
+        self.sources: list[np.ndarray | None] = [None] * arena.size  # lent buffers, read in place
+        self.codes = kernel_codes(arena, dtype, op) if ref is None and not may_fail(op) else None
+
+    def run_kernel(self, done: int) -> int:
+        """The phases from `done` on in the kernel, as far as it goes; how many are done (`done`: no kernel)."""
+        if self.codes is None:
+            return done
+        arena = self.arena
+        done = arena.kernel.run_pieces(self.raw, *self.codes, self.first, arena.stamp, arena.sequence,
+                                       arena.kernel_spin_ns, arena.kernel_yields, self.wants_result, self.piece, done)
+        index, phase = divmod(done, 3)
+        arena.first, arena.step = self.first, self.first + 2 * index + min(phase, 2)
+        return done
+
+    def run_phase(self, done: int) -> bool:
+        """Phase `done` in Python (after the phases before it); True: the call went on in place and is over."""
+        arena, raw, index, phase = self.arena, self.raw, *divmod(done, 3)
+        lo = index * self.piece
+        hi = min(self.total, lo + self.piece)
+        part = _own_part(arena, hi - lo, self.dtype)
+        step = self.first + 2 * index
+        if phase == 0:
+            step = arena.first_step(self.ref) if index == 0 else arena.claim()
+            if self.ref is None:
+                _copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw[lo:hi], part)
+            arena.publish(step)
+        elif phase == 1:
+            if index == 0:
+                arena.agree(step)
+                if self.root is None and arena.all_lent(step):
+                    _all_reduce_in_place(arena, raw, self.dtype, self.op, step)
+                    return True
+                self.sources = [None if q == arena.rank else arena.peer_buffer(step, q) for q in range(arena.size)]
+                if any(source is not None for source in self.sources):
+                    self.codes = None  # the kernel reads slots only
+            else:
+                arena.wait_all(step)
+            result = arena.claim()
+            _reduce_own_part(arena, self.op, raw, self.dtype, step, result, lo, part, self.wants_result, self.sources)
+            arena.publish(result)
         else:
-            arena.wait_all(step)
-        result = arena.claim()
-        _reduce_own_part(arena, op, raw, dtype, step, result, lo, (a, b), wants_result, sources)
-        arena.publish(result)
-        if wants_result or (hi == total and (ref is not None or may_fail(op))):  # a lender waits until nobody
-            arena.wait_all(result)  # reads it; with a user's op, until every part was reduced (may_fail)
-        if wants_result:
-            _copy_other_parts(arena, raw, dtype, lo, hi, result)
+            last = hi == self.total  # a lender waits until nobody reads it; with a user's op, until every part
+            if self.wants_result or (last and (self.ref is not None or may_fail(self.op))):  # was reduced
+                arena.wait_all(step + 1)
+            if self.wants_result:
+                _copy_other_parts(arena, raw, self.dtype, lo, hi, step + 1)
+        return False
 
 
 def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, step: int) -> None:

@@ -1,0 +1,208 @@
+"""The C kernel's loop over the pieces of an all_reduce or reduce larger than a slot (tcoll/shm/pieces.h).
+
+On real ranks: all_reduce and reduce of several sizes, dtypes and ops against NumPy folded in rank order,
+every rank in C; one rank in Python beside them (the phases pair); one rank's buffer lent (the kernel
+stops at the first piece and Python reads it in place); a rank late by turns (the kernel stops at a wait
+and Python takes that phase); sizes that differ (every rank raises). On an arena's memory in this
+process, where the test plays the peer: each phase's words and bytes, a call resumed phase by phase, and
+what the kernel leaves to Python (a descriptor that differs, a peer that lent).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import tcoll
+from tcoll.shm import arena as arena_module
+
+from helpers.fake_arena import STAMP, FakeArena
+from helpers.mismatch import assert_every_rank_raised, mismatch_said
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+needs_kernel = pytest.mark.skipif(arena_module.kernel_module is None, reason="the C kernel is not built")
+K = arena_module.kernel_module
+SLOT = 16 << 10  # the ranks' arena slot, and so their piece: calls larger take the pieces
+SIZES = (SLOT + 4, 3 * SLOT - 24, 5 * SLOT + 1000)  # bytes: two pieces, three (the last short), six
+CASES = [(np.float32, "sum", np.add), (np.int64, "max", np.maximum), (np.float64, "prod", np.multiply)]
+
+
+class PieceCounting:
+    """Stands in for an arena's kernel and counts how run_pieces ended: "all" phases, or stopped early."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.ends = kernel, Counter()
+
+    def run_pieces(self, *args: object) -> int:
+        done = self.kernel.run_pieces(*args)
+        total = 3 * -(-memoryview(args[0]).nbytes // args[9])
+        self.ends["all" if done == total else "early"] += 1
+        return done
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kernel, name)
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _input(rank: int, call: int, count: int, dtype: type) -> np.ndarray:
+    values = (np.arange(count, dtype=np.int64) * 7 + rank * 1000 + call * 13) % 97 + 1
+    return (values / 64 + 0.5).astype(dtype) if np.dtype(dtype).kind == "f" else values.astype(dtype) - 40
+
+
+def _folded(ufunc: np.ufunc, inputs: list[np.ndarray]) -> np.ndarray:
+    out = inputs[0].copy()
+    for part in inputs[1:]:
+        ufunc(out, part, out=out)
+    return out
+
+
+def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, calls: int,
+                sizes: tuple[int, ...] = SIZES) -> tuple[list[str], dict]:
+    """all_reduce and reduce of `sizes` by turns, roots and a late rank by turns; (failures, kernel ends)."""
+    comm.barrier(algorithm="shm")  # makes the arena
+    arena = comm.core.dispatch.arena
+    counting = PieceCounting(arena.kernel)
+    arena.kernel = None if comm.rank == python_rank else counting
+    p, me, bad = comm.size, comm.rank, []
+    for call in range(calls):
+        dtype, op, ufunc = CASES[call % len(CASES)]
+        count = sizes[call % len(sizes)] // np.dtype(dtype).itemsize
+        inputs = [_input(q, call, count, dtype) for q in range(p)]
+        x = comm.empty(count, dtype) if me == lend_rank else np.empty(count, dtype)
+        x[...] = inputs[me]
+        if me == (call // 2) % p:
+            _busy(0.0003)
+        if call % 2 == 0:
+            comm.all_reduce(x, op, algorithm="shm")
+            want = _folded(ufunc, inputs)
+        else:
+            root = call % p
+            comm.reduce(x, root, op, algorithm="shm")
+            want = _folded(ufunc, inputs) if me == root else inputs[me]
+        if not np.array_equal(x, want):
+            bad.append(f"rank {me}: call #{call} ({'all_reduce' if call % 2 == 0 else 'reduce'} {op} {count} "
+                       f"{np.dtype(dtype)}) differs from NumPy")
+    return bad, dict(counting.ends)
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_pieces_in_the_kernel_match_numpy(size: int) -> None:
+    results = tcoll.spawn(large_calls, size, (-1, -1, 18), timeout=100, transport="shm", shm_slot=SLOT)
+    assert not [f for bad, _ in results for f in bad], results
+    if size == 2:  # (more ranks than cores: a call ends in the kernel only when every rank comes within its spin)
+        assert all(ends.get("all") for _, ends in results), results
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("python_rank", [0, 2])
+def test_a_rank_in_python_pairs_with_ranks_in_the_kernel(python_rank: int) -> None:
+    results = tcoll.spawn(large_calls, 3, (python_rank, -1, 18), timeout=100, transport="shm", shm_slot=SLOT)
+    assert not [f for bad, _ in results for f in bad], results
+    assert not results[python_rank][1], results  # (it never ran the kernel)
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+def test_a_lent_buffer_stops_the_kernel_and_is_read_in_place() -> None:
+    lending = (arena_module.ZERO_COPY_BYTES + 8, 5 * SLOT + 1000)  # (comm.empty buffers are lent from this size)
+    results = tcoll.spawn(large_calls, 3, (-1, 1, 12, lending), timeout=100, transport="shm", shm_slot=SLOT)
+    assert not [f for bad, _ in results for f in bad], results
+    assert not any(ends.get("all") for _, ends in results), results  # the first piece found a lender
+
+
+def differing(comm: tcoll.Communicator, sizes: tuple[int, int]) -> tuple[str, bool]:
+    """Rank 0 reduces sizes[0] bytes where the others reduce sizes[1]; then a right call."""
+    x = np.ones(sizes[0 if comm.rank == 0 else 1] // 4, np.float32)
+    said = mismatch_said(lambda: comm.all_reduce(x, algorithm="shm"))
+    got = comm.all_gather(np.array([comm.rank]), algorithm="shm")
+    return said, bool(np.array_equal(got.ravel(), np.arange(comm.size)))
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sizes", [(2 * SLOT, 2 * SLOT + 64), (2 * SLOT, 4 * SLOT)])  # same pieces; more
+def test_pieces_that_differ_raise_on_every_rank(sizes: tuple[int, int]) -> None:
+    results = tcoll.spawn(differing, 3, (sizes,), timeout=50, transport="shm", shm_slot=SLOT)
+    assert_every_rank_raised(results, sizes)
+
+
+# -- word by word: the test plays rank 1 of 2 on FakeArena's memory (4 KiB slots, 4 KiB pieces) ----------------
+
+PIECE = FakeArena.SLOT
+N = (2 * PIECE - 400) // 4  # float32: a piece of 1024 items, then one of 924 (rank 0 owns 512, then 462)
+
+
+def _pieces(fake: FakeArena, buf: np.ndarray, done: int, want: bool = True) -> int:
+    code = arena_module.KERNEL_DTYPES[buf.dtype]
+    return fake.kernel.run_pieces(buf, code, 0, 0, STAMP, 7, 0, False, want, PIECE, done)
+
+
+def _describe(fake: FakeArena, sequence: int = 7, lent: int = 0) -> None:
+    fake.desc[8:12] = [STAMP & (2**64 - 1), STAMP >> 64, sequence, lent]  # rank 1's descriptor of step 0
+
+
+@needs_kernel
+def test_each_phase_writes_and_waits_where_the_python_steps_do() -> None:
+    fake = FakeArena()
+    mine = np.arange(N, dtype=np.float32)
+    peer = np.arange(N, dtype=np.float32) * 10 + 1
+    buf = mine.copy()
+    assert _pieces(fake, buf, 0) == 1  # input published; the peer has not: the reduction waits
+    assert fake.counters[0] == 1 and np.array_equal(fake.slot(0, 0, np.float32, 1024)[512:], mine[512:1024])
+    assert np.array_equal(buf, mine)
+    _describe(fake)
+    fake.slot(1, 0, np.float32, 512)[...] = peer[:512]  # the peer's input for rank 0's part
+    fake.counters[1] = 1
+    assert _pieces(fake, buf, 1) == 2  # rank 0's part reduced, into its buffer and its slot of step 1
+    assert fake.counters[0] == 2 and np.array_equal(buf[:512], mine[:512] + peer[:512])
+    assert np.array_equal(fake.slot(0, 1, np.float32, 512), mine[:512] + peer[:512])
+    fake.slot(1, 1, np.float32, 1024)[512:] = 5.0  # the peer's reduced part
+    fake.counters[1] = 2
+    assert _pieces(fake, buf, 2) == 4  # copied out; the second piece's input published (step 2, set 0)
+    assert np.array_equal(buf[512:1024], np.full(512, 5.0, np.float32)) and fake.counters[0] == 3
+    assert np.array_equal(fake.slot(0, 2, np.float32, 924)[462:], mine[1024 + 462:])
+    fake.slot(1, 2, np.float32, 462)[...] = peer[1024:1024 + 462]
+    fake.counters[1] = 3
+    assert _pieces(fake, buf, 4) == 5 and fake.counters[0] == 4
+    fake.slot(1, 3, np.float32, 924)[462:] = 6.0
+    fake.counters[1] = 4
+    assert _pieces(fake, buf, 5) == 6  # all six phases
+    want = np.concatenate([mine[:512] + peer[:512], np.full(512, 5.0), mine[1024:1024 + 462] + peer[1024:1024 + 462],
+                           np.full(462, 6.0)]).astype(np.float32)
+    assert np.array_equal(buf, want)
+
+
+@needs_kernel
+def test_a_rank_that_wants_no_result_does_not_wait_for_the_others_parts() -> None:
+    fake = FakeArena()
+    buf = np.ones(N, dtype=np.float32)
+    assert _pieces(fake, buf, 0, want=False) == 1
+    _describe(fake)
+    fake.counters[1] = 1
+    assert _pieces(fake, buf, 1, want=False) == 3  # reduced into its slot only; no copy out, but the next
+    assert np.array_equal(buf, np.ones(N, dtype=np.float32)) and fake.counters[0] == 2  # piece's slots: in use
+    fake.counters[1] = 2  # the peer published its part (and so is done reading step 0)
+    assert _pieces(fake, buf, 3, want=False) == 4 and fake.counters[0] == 3
+
+
+@needs_kernel
+@pytest.mark.parametrize(("sequence", "lent"), [(8, 0), (7, 1)], ids=["another call", "a lender"])
+def test_the_first_piece_is_left_to_python_where_the_peer_differs_or_lent(sequence: int, lent: int) -> None:
+    fake = FakeArena()
+    buf = np.ones(N, dtype=np.float32)
+    assert _pieces(fake, buf, 0) == 1
+    _describe(fake, sequence, lent)
+    fake.counters[1] = 1
+    assert _pieces(fake, buf, 1) == 1  # nothing reduced: Python raises MismatchError, or reads the lender
+    assert fake.counters[0] == 1 and np.array_equal(buf, np.ones(N, dtype=np.float32))
