@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from tcoll.shm import arena as arena_module
+from tcoll.shm.kernel_abi import PROGRESS_LINE
 
 __all__ = ["CountingKernel", "FakeArena", "STAMP"]
 
@@ -56,6 +57,11 @@ class FakeArena:
     def slot(self, rank: int, step: int, dtype: Any, count: int) -> np.ndarray:
         offset = self.data_at + ((step % 2) * 2 + rank) * self.SLOT
         return np.frombuffer(self.map, dtype, count, offset)
+
+    def progress(self, rank: int) -> np.ndarray:
+        """Rank `rank`'s progress line (streamed steps): the step it streams (+ 1), its bytes written."""
+        at = (self.desc_at + 8 * 8 * 2 * 2 + 63) & ~63  # (after the descriptors: tcoll.shm.arena._layout)
+        return np.frombuffer(self.map, np.uint64, 2, at + PROGRESS_LINE * rank)
 
     def peer_publishes(self, step: int, stamp: int, sequence: int, values: np.ndarray) -> None:
         at = ((step % 2) * 2 + 1) * 8

@@ -1,11 +1,12 @@
-"""The C kernel's loop over the pieces of an all_reduce or reduce larger than a slot (tcoll/shm/pieces.h).
+"""The C kernel's loops over the pieces of calls larger than a slot (tcoll/shm/pieces.h): all_reduce and
+reduce, and broadcast (streamed).
 
 On real ranks: all_reduce and reduce of several sizes, dtypes and ops against NumPy folded in rank order,
-every rank in C; one rank in Python beside them (the phases pair); one rank's buffer lent (the kernel
-stops at the first piece and Python reads it in place); a rank late by turns (the kernel stops at a wait
-and Python takes that phase); sizes that differ (every rank raises). On an arena's memory in this
-process, where the test plays the peer: each phase's words and bytes, a call resumed phase by phase, and
-what the kernel leaves to Python (a descriptor that differs, a peer that lent).
+and broadcasts from every root, every rank in C; one rank in Python beside them (the phases pair); one
+rank's buffer lent (the kernel stops at the first piece and Python reads it in place); a rank late by
+turns (the kernel stops at a wait and Python takes that phase); sizes that differ (every rank raises). On
+an arena's memory in this process, where the test plays the peer: each phase's words and bytes, a call
+resumed phase by phase, and what the kernel leaves to Python (a descriptor that differs, a peer that lent).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import numpy as np
 import pytest
 
 import tcoll
+from tcoll.p2p.waiting import SpinPolicy
 from tcoll.shm import arena as arena_module
+from tcoll.shm.address import PIECE_BYTES, SLOT_BYTES, SLOT_BYTES_SHARED
 
 from helpers.fake_arena import STAMP, FakeArena
 from helpers.mismatch import assert_every_rank_raised, mismatch_said
@@ -31,15 +34,20 @@ CASES = [(np.float32, "sum", np.add), (np.int64, "max", np.maximum), (np.float64
 
 
 class PieceCounting:
-    """Stands in for an arena's kernel and counts how run_pieces ended: "all" phases, or stopped early."""
+    """Stands in for an arena's kernel and counts how run_pieces and run_broadcast_pieces ended: "all" phases,
+    or stopped early."""
 
     def __init__(self, kernel: object) -> None:
         self.kernel, self.ends = kernel, Counter()
 
     def run_pieces(self, *args: object) -> int:
         done = self.kernel.run_pieces(*args)
-        total = 3 * -(-memoryview(args[0]).nbytes // args[9])
-        self.ends["all" if done == total else "early"] += 1
+        self.ends["all" if done == 3 * -(-memoryview(args[0]).nbytes // args[9]) else "early"] += 1
+        return done
+
+    def run_broadcast_pieces(self, *args: object) -> int:
+        done = self.kernel.run_broadcast_pieces(*args)
+        self.ends["all" if done == 2 * -(-memoryview(args[0]).nbytes // SLOT) else "early"] += 1
         return done
 
     def __getattr__(self, name: str) -> object:
@@ -65,8 +73,9 @@ def _folded(ufunc: np.ufunc, inputs: list[np.ndarray]) -> np.ndarray:
 
 
 def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, calls: int,
-                sizes: tuple[int, ...] = SIZES) -> tuple[list[str], dict]:
-    """all_reduce and reduce of `sizes` by turns, roots and a late rank by turns; (failures, kernel ends)."""
+                sizes: tuple[int, ...] = SIZES, broadcasts: bool = False) -> tuple[list[str], dict]:
+    """all_reduce and reduce (or broadcasts) of `sizes` by turns, roots and a late rank by turns; (failures,
+    kernel ends)."""
     comm.barrier(algorithm="shm")  # makes the arena
     arena = comm.core.dispatch.arena
     counting = PieceCounting(arena.kernel)
@@ -80,7 +89,10 @@ def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, call
         x[...] = inputs[me]
         if me == (call // 2) % p:
             _busy(0.0003)
-        if call % 2 == 0:
+        if broadcasts:
+            comm.broadcast(x, call % p, algorithm="shm")
+            want = inputs[call % p]
+        elif call % 2 == 0:
             comm.all_reduce(x, op, algorithm="shm")
             want = _folded(ufunc, inputs)
         else:
@@ -88,16 +100,18 @@ def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, call
             comm.reduce(x, root, op, algorithm="shm")
             want = _folded(ufunc, inputs) if me == root else inputs[me]
         if not np.array_equal(x, want):
-            bad.append(f"rank {me}: call #{call} ({'all_reduce' if call % 2 == 0 else 'reduce'} {op} {count} "
-                       f"{np.dtype(dtype)}) differs from NumPy")
+            name = "broadcast" if broadcasts else "all_reduce" if call % 2 == 0 else "reduce"
+            bad.append(f"rank {me}: call #{call} ({name} {op} {count} {np.dtype(dtype)}) differs from NumPy")
     return bad, dict(counting.ends)
 
 
 @needs_kernel
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("broadcasts", [False, True], ids=["reductions", "broadcasts"])
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_pieces_in_the_kernel_match_numpy(size: int) -> None:
-    results = tcoll.spawn(large_calls, size, (-1, -1, 18), timeout=100, transport="shm", shm_slot=SLOT)
+def test_pieces_in_the_kernel_match_numpy(size: int, broadcasts: bool) -> None:
+    results = tcoll.spawn(large_calls, size, (-1, -1, 18, SIZES, broadcasts), timeout=100, transport="shm",
+                          shm_slot=SLOT)
     assert not [f for bad, _ in results for f in bad], results
     if size == 2:  # (more ranks than cores: a call ends in the kernel only when every rank comes within its spin)
         assert all(ends.get("all") for _, ends in results), results
@@ -105,35 +119,70 @@ def test_pieces_in_the_kernel_match_numpy(size: int) -> None:
 
 @needs_kernel
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("broadcasts", [False, True], ids=["reductions", "broadcasts"])
 @pytest.mark.parametrize("python_rank", [0, 2])
-def test_a_rank_in_python_pairs_with_ranks_in_the_kernel(python_rank: int) -> None:
-    results = tcoll.spawn(large_calls, 3, (python_rank, -1, 18), timeout=100, transport="shm", shm_slot=SLOT)
+def test_a_rank_in_python_pairs_with_ranks_in_the_kernel(python_rank: int, broadcasts: bool) -> None:
+    results = tcoll.spawn(large_calls, 3, (python_rank, -1, 18, SIZES, broadcasts), timeout=100, transport="shm",
+                          shm_slot=SLOT)
     assert not [f for bad, _ in results for f in bad], results
     assert not results[python_rank][1], results  # (it never ran the kernel)
 
 
 @needs_kernel
 @pytest.mark.timeout(120)
-def test_a_lent_buffer_stops_the_kernel_and_is_read_in_place() -> None:
+@pytest.mark.parametrize("broadcasts", [False, True], ids=["reductions", "broadcasts"])
+def test_a_lent_buffer_stops_the_kernel_and_is_read_in_place(broadcasts: bool) -> None:
+    """(A broadcast's other ranks stop where root lent: calls #1, #4, ...; root 1 runs those in Python.)"""
     lending = (arena_module.ZERO_COPY_BYTES + 8, 5 * SLOT + 1000)  # (comm.empty buffers are lent from this size)
-    results = tcoll.spawn(large_calls, 3, (-1, 1, 12, lending), timeout=100, transport="shm", shm_slot=SLOT)
+    results = tcoll.spawn(large_calls, 3, (-1, 1, 12, lending, broadcasts), timeout=100, transport="shm",
+                          shm_slot=SLOT)
     assert not [f for bad, _ in results for f in bad], results
-    assert not any(ends.get("all") for _, ends in results), results  # the first piece found a lender
+    if not broadcasts:  # the first piece found a lender
+        assert not any(ends.get("all") for _, ends in results), results
+    else:
+        assert all(ends.get("early") for rank, (_, ends) in enumerate(results) if rank != 1), results
 
 
-def differing(comm: tcoll.Communicator, sizes: tuple[int, int]) -> tuple[str, bool]:
-    """Rank 0 reduces sizes[0] bytes where the others reduce sizes[1]; then a right call."""
+def rank_zeros_pieces(comm: tcoll.Communicator, zero_shares_cores: bool) -> tuple[int, int, bool]:
+    """Rank 0 counts the host's cores one way, the others the other; then large all_reduces with the default
+    slot. (this rank's slot and piece, whether every result matched NumPy)."""
+    engine = comm.core.engine
+    engine.spin = SpinPolicy(engine.settings.spin_us, oversubscribed=zero_shares_cores == (comm.rank == 0))
+    ok = True
+    for call, nbytes in enumerate((SLOT_BYTES + 4096, 5 * PIECE_BYTES // 2 + 12, 3 * SLOT_BYTES - 8)):
+        inputs = [_input(q, call, nbytes // 4, np.float32) for q in range(comm.size)]
+        x = inputs[comm.rank].copy()
+        comm.all_reduce(x, algorithm="shm")
+        ok = ok and bool(np.array_equal(x, _folded(np.add, inputs)))
+    arena = comm.core.dispatch.arena
+    return arena.slot_bytes, arena.piece_bytes, ok
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero_shares_cores", [False, True])
+def test_every_rank_takes_rank_zeros_pieces(zero_shares_cores: bool) -> None:
+    """Pieces smaller than the slot (rank 0 gives every rank a core) or the whole slot (it sees them share)."""
+    results = tcoll.spawn(rank_zeros_pieces, 2, (zero_shares_cores,), timeout=100, transport="shm")
+    want = (SLOT_BYTES_SHARED, SLOT_BYTES_SHARED) if zero_shares_cores else (SLOT_BYTES, PIECE_BYTES)
+    assert results == [(*want, True)] * 2, results
+
+
+def differing(comm: tcoll.Communicator, sizes: tuple[int, int], name: str) -> tuple[str, bool]:
+    """Rank 0 reduces (or broadcasts) sizes[0] bytes where the others do sizes[1]; then a right call."""
     x = np.ones(sizes[0 if comm.rank == 0 else 1] // 4, np.float32)
-    said = mismatch_said(lambda: comm.all_reduce(x, algorithm="shm"))
+    said = mismatch_said(lambda: comm.all_reduce(x, algorithm="shm") if name == "all_reduce" else
+                         comm.broadcast(x, 1, algorithm="shm"))
     got = comm.all_gather(np.array([comm.rank]), algorithm="shm")
     return said, bool(np.array_equal(got.ravel(), np.arange(comm.size)))
 
 
 @needs_kernel
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["all_reduce", "broadcast"])
 @pytest.mark.parametrize("sizes", [(2 * SLOT, 2 * SLOT + 64), (2 * SLOT, 4 * SLOT)])  # same pieces; more
-def test_pieces_that_differ_raise_on_every_rank(sizes: tuple[int, int]) -> None:
-    results = tcoll.spawn(differing, 3, (sizes,), timeout=50, transport="shm", shm_slot=SLOT)
+def test_pieces_that_differ_raise_on_every_rank(sizes: tuple[int, int], name: str) -> None:
+    results = tcoll.spawn(differing, 3, (sizes, name), timeout=50, transport="shm", shm_slot=SLOT)
     assert_every_rank_raised(results, sizes)
 
 
@@ -206,3 +255,49 @@ def test_the_first_piece_is_left_to_python_where_the_peer_differs_or_lent(sequen
     fake.counters[1] = 1
     assert _pieces(fake, buf, 1) == 1  # nothing reduced: Python raises MismatchError, or reads the lender
     assert fake.counters[0] == 1 and np.array_equal(buf, np.ones(N, dtype=np.float32))
+
+
+def _broadcast_pieces(fake: FakeArena, buf: np.ndarray, root: int, done: int) -> int:
+    return fake.kernel.run_broadcast_pieces(buf, root, 0, STAMP, 7, 0, False, done)
+
+
+
+@needs_kernel
+def test_a_broadcasting_root_streams_each_piece_once_every_rank_is_done_with_its_slot_set() -> None:
+    fake = FakeArena()
+    data = (np.arange(PIECE + 1000) % 251).astype(np.uint8)
+    assert _broadcast_pieces(fake, data, 0, 0) == 1  # piece 0 written and published; the check waits
+    assert fake.progress(0).tolist() == [1, PIECE] and fake.counters[0] == 1
+    assert np.array_equal(fake.slot(0, 0, np.uint8, PIECE), data[:PIECE])
+    _describe(fake)
+    fake.counters[1] = 1  # the peer describes the same call and publishes step 0 at once
+    assert _broadcast_pieces(fake, data, 0, 1) == 4 and fake.counters[0] == 2
+    assert fake.progress(0).tolist() == [2, 1000]
+    assert np.array_equal(fake.slot(0, 1, np.uint8, 1000), data[PIECE:])
+
+
+@needs_kernel
+def test_a_broadcast_reader_copies_what_root_announced_and_resumes_piece_by_piece() -> None:
+    fake = FakeArena()
+    data = (np.arange(PIECE + 1000) % 251).astype(np.uint8)
+    out = np.zeros_like(data)
+    _describe(fake)
+    fake.slot(1, 0, np.uint8, PIECE)[...] = data[:PIECE]
+    fake.progress(1)[:] = [1, PIECE // 2]  # root (rank 1) announced half of piece 0, and stalls
+    assert _broadcast_pieces(fake, out, 1, 0) == 1 and fake.counters[0] == 1
+    assert np.array_equal(out[:PIECE // 2], data[:PIECE // 2]) and not out[PIECE // 2:].any()
+    fake.counters[1] = 1  # root published piece 0
+    assert _broadcast_pieces(fake, out, 1, 1) == 3  # piece 0 copied and checked; step 1 published; waits
+    assert np.array_equal(out[:PIECE], data[:PIECE]) and fake.counters[0] == 2
+    fake.slot(1, 1, np.uint8, 1000)[...] = data[PIECE:]
+    fake.counters[1] = 2
+    assert _broadcast_pieces(fake, out, 1, 3) == 4 and np.array_equal(out, data)
+
+
+@needs_kernel
+def test_a_broadcast_reader_leaves_a_lent_root_buffer_to_python() -> None:
+    fake = FakeArena()
+    out = np.zeros(PIECE + 1000, np.uint8)
+    _describe(fake, lent=1)
+    fake.counters[1] = 1
+    assert _broadcast_pieces(fake, out, 1, 0) == 1 and not out.any()

@@ -1,5 +1,5 @@
-"""The arena's slot: 1 MiB by default, 2 MiB where the host's ranks outnumber its cores, as rank 0 sizes it;
-the choices every rank makes rest on a size they all compute alike."""
+"""The arena's slot: 1 MiB by default, 2 MiB where the host's ranks outnumber its cores, as rank 0 sizes it (and
+the pieces of large reductions with it); the choices every rank makes rest on a size they all compute alike."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import tcoll
 from tcoll.env import Settings
 from tcoll.p2p.waiting import SpinPolicy
-from tcoll.shm.address import SLOT_BYTES, SLOT_BYTES_SHARED, agreed_slot
+from tcoll.shm.address import PIECE_BYTES, SLOT_BYTES, SLOT_BYTES_SHARED, agreed_piece, agreed_slot
 
 
 def test_the_default_slot_is_larger_where_ranks_outnumber_cores() -> None:
@@ -39,3 +39,9 @@ def test_auto_in_the_environment_is_the_default_and_nonsense_is_named() -> None:
     assert Settings.from_env({"TCOLL_SHM_SLOT": "256K"}).shm_slot == 256 << 10
     with pytest.raises(ValueError, match="TCOLL_SHM_SLOT='-2'"):
         Settings.from_env({"TCOLL_SHM_SLOT": "-2"})
+
+
+def test_large_reductions_go_in_quarter_slot_pieces_unless_ranks_share_cores() -> None:
+    assert agreed_piece(SLOT_BYTES) == PIECE_BYTES == 256 << 10
+    assert agreed_piece(64 << 10) == 64 << 10  # never more than a slot
+    assert agreed_piece(SLOT_BYTES_SHARED, oversubscribed=True) == SLOT_BYTES_SHARED

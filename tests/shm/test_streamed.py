@@ -17,7 +17,6 @@ import pytest
 
 import tcoll
 from tcoll.shm import arena as arena_module
-from tcoll.shm.kernel_abi import PROGRESS_LINE
 
 from helpers.fake_arena import STAMP, CountingKernel, FakeArena
 from helpers.mismatch import assert_every_rank_raised, mismatch_said
@@ -120,11 +119,6 @@ class WideArena(FakeArena):
     SLOT = 64 << 10  # room for a streamed call
 
 
-def _progress(fake: FakeArena, rank: int) -> np.ndarray:
-    """Rank `rank`'s progress line: the step it streams (+ 1), its bytes written."""
-    at = (fake.desc_at + 8 * 8 * 2 * 2 + 63) & ~63  # (after the descriptors: tcoll.shm.arena._layout)
-    return np.frombuffer(fake.map, np.uint64, 2, at + PROGRESS_LINE * rank)
-
 
 def _broadcast(fake: FakeArena, buf: np.ndarray, root: int, stamp: int = STAMP, step: int = 0) -> int:
     return fake.kernel.run_broadcast(buf, root, False, step, stamp, 7, 0, False)
@@ -135,7 +129,7 @@ def test_a_streaming_root_announces_its_chunks_then_publishes() -> None:
     fake = WideArena()
     data = np.arange(40 << 10, dtype=np.uint8)
     assert _broadcast(fake, data, 0) == K.PUBLISHED  # the peer never came: Python waits
-    assert _progress(fake, 0).tolist() == [1, data.nbytes] and fake.counters[0] == 1
+    assert fake.progress(0).tolist() == [1, data.nbytes] and fake.counters[0] == 1
     assert np.array_equal(fake.slot(0, 0, np.uint8, data.nbytes), data)
 
 
@@ -145,7 +139,7 @@ def test_a_reader_copies_the_announced_chunks_and_hands_a_stalled_writer_to_pyth
     data = (np.arange(40 << 10) % 251).astype(np.uint8)
     fake.desc[8:12] = [STAMP & (2**64 - 1), STAMP >> 64, 7, 0]  # the root (rank 1) describes the call ...
     fake.slot(1, 0, np.uint8, data.nbytes)[...] = data
-    _progress(fake, 1)[:] = [1, 16 << 10]  # ... and announces its first 16 KiB, but never publishes
+    fake.progress(1)[:] = [1, 16 << 10]  # ... and announces its first 16 KiB, but never publishes
     out = np.zeros_like(data)
     assert _broadcast(fake, out, 1) == K.PUBLISHED
     assert np.array_equal(out[:16 << 10], data[:16 << 10]) and not out[16 << 10:].any()
@@ -160,7 +154,7 @@ def test_a_reader_copies_nothing_of_a_root_that_describes_another_call() -> None
     fake = WideArena()
     fake.desc[8:12] = [STAMP & (2**64 - 1), STAMP >> 64, 8, 0]  # another call (#8)
     fake.slot(1, 0, np.uint8, 40 << 10)[...] = 5
-    _progress(fake, 1)[:] = [1, 40 << 10]
+    fake.progress(1)[:] = [1, 40 << 10]
     fake.counters[1] = 1
     out = np.zeros(40 << 10, np.uint8)
     assert _broadcast(fake, out, 1) == K.PUBLISHED and not out.any()

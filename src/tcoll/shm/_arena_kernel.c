@@ -230,13 +230,20 @@ static void publish_counter(const Kernel *k, uint64_t value) {
     ring_sleepers(k);
 }
 
-/* Describe the call in this rank's descriptor of its step, copy the buffer into its slot (all but bytes
- * [skip_lo, skip_hi): a split call's own part, which this rank reads from its buffer), publish, ring. */
+/* Copy `len` bytes of `src` into this rank's slot of `step`, all but bytes [skip_lo, skip_hi): a split call's
+ * (or piece's) own part, which this rank reads from its buffer. */
+static void copy_in_but(const Kernel *k, uint64_t step, const uint8_t *src, Py_ssize_t len, Py_ssize_t skip_lo,
+                        Py_ssize_t skip_hi) {
+    uint8_t *slot = slot_of(k, k->rank, step);
+    tc_copy(slot, src, (size_t)skip_lo);
+    tc_copy(slot + skip_hi, src + skip_hi, (size_t)(len - skip_hi));
+}
+
+/* Describe the call in this rank's descriptor of its step, copy the buffer into its slot (copy_in_but),
+ * publish, ring. */
 static void publish_step(Kernel *k, const RunArgs *a, Py_ssize_t skip_lo, Py_ssize_t skip_hi) {
     describe_step(k, a);
-    uint8_t *slot = slot_of(k, k->rank, a->step);
-    tc_copy(slot, a->view.buf, (size_t)skip_lo);
-    tc_copy(slot + skip_hi, (const uint8_t *)a->view.buf + skip_hi, (size_t)(a->view.len - skip_hi));
+    copy_in_but(k, a->step, a->view.buf, a->view.len, skip_lo, skip_hi);
     publish_counter(k, a->step + 1);
 }
 
@@ -282,9 +289,15 @@ static int parse_step(PyObject *const *args, RunArgs *a) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunArgs *a) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want)");
+/* The arguments of run(), run_split() and run_pieces(): buf, dtype, op, the step's five, want, then `extra` more
+ * (run_pieces': piece, done); the buffer acquired (release it) and no larger than `largest`, or -1 with the
+ * error set. */
+static int parse_reduction(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t extra, Py_ssize_t largest,
+                           RunArgs *a) {
+    if (nargs != 9 + extra) {
+        PyErr_SetString(PyExc_TypeError, extra ? "run_pieces(buf, dtype, op, step, stamp, sequence, spin_ns, yield, "
+                                                 "want, piece, done)"
+                                               : "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want)");
         return -1;
     }
     a->dtype = (int)PyLong_AsLong(args[1]);
@@ -303,12 +316,16 @@ static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunA
     /* (contiguous either way; writable only where the result goes: a reduce's other ranks may pass a read-only
      * array) */
     if (PyObject_GetBuffer(args[0], &a->view, a->want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
-    if (a->view.len > self->slot_bytes || a->view.len % ITEMSIZE[a->dtype]) {
+    if (a->view.len > largest || a->view.len % ITEMSIZE[a->dtype]) {
         PyBuffer_Release(&a->view);
         PyErr_SetString(PyExc_ValueError, "arena kernel: the buffer does not fit a slot or its dtype");
         return -1;
     }
     return 0;
+}
+
+static int parse_run(Kernel *self, PyObject *const *args, Py_ssize_t nargs, RunArgs *a) {
+    return parse_reduction(self, args, nargs, 0, self->slot_bytes, a);
 }
 
 /* A call's first step: claim it (every rank is done with step - 2), describe the call, copy in, publish.
@@ -426,11 +443,13 @@ static int describes_mine(const Kernel *k, int rank, uint64_t step) {
     return theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[2] == mine[2] && theirs[3] == 0;
 }
 
-/* As the reader: once `rank` describes the call of this step as this rank does (and lent nothing), copy the
- * first `len` bytes of its slot to `dst` as they are written. 0: it describes another call, or made no
- * progress within the spin (what was copied stays; the caller copies the whole again once it published). */
-static int read_stream(const Kernel *k, const RunArgs *a, int rank, uint8_t *dst, Py_ssize_t len) {
-    if (!wait_written(k, rank, a->step, 0, a->spin_ns, a->yield) || !describes_mine(k, rank, a->step)) return 0;
+/* As the reader: once `rank` describes the call of this step as this rank does (and lent nothing; checked only
+ * where `check`: a call's first step), copy the first `len` bytes of its slot to `dst` as they are written.
+ * 0: it describes another call, or made no progress within the spin (what was copied stays; the caller
+ * copies the whole again once it published). */
+static int read_stream(const Kernel *k, const RunArgs *a, int rank, uint8_t *dst, Py_ssize_t len, int check) {
+    if (!wait_written(k, rank, a->step, 0, a->spin_ns, a->yield) || (check && !describes_mine(k, rank, a->step)))
+        return 0;
     const uint8_t *slot = slot_of(k, rank, a->step);
     Py_ssize_t done = 0;
     while (done < len) {
@@ -519,7 +538,7 @@ static long step_broadcast(Kernel *self, const RunArgs *a, int root, int lending
             stream_slot(self, a, a->view.buf, len);
         } else {
             publish_counter(self, a->step + 1);
-            streamed = read_stream(self, a, root, a->view.buf, len);
+            streamed = read_stream(self, a, root, a->view.buf, len, 1);
         }
         PyEval_RestoreThread(saved);
         return close_streamed(self, a, streamed, lending);
@@ -646,7 +665,7 @@ static long step_gather_streamed(Kernel *self, const RunArgs *a, const Blocks *b
         publish_counter(self, a->step + 1);
         tc_copy(b->out + (Py_ssize_t)b->root * n, a->view.buf, (size_t)n);
         for (int q = 0; q < self->size && streamed; q++)
-            streamed = q == self->rank || read_stream(self, a, q, b->out + q * n, n);
+            streamed = q == self->rank || read_stream(self, a, q, b->out + q * n, n, 1);
     }
     PyEval_RestoreThread(saved);
     return close_streamed(self, a, streamed, b->lending);
@@ -868,6 +887,8 @@ static PyMethodDef Kernel_methods[] = {
      "A call that fits a slot, in three steps (see the source)."},
     {"run_pieces", (PyCFunction)(void (*)(void))Kernel_run_pieces, METH_FASTCALL,
      "A large all_reduce's or reduce's pieces, from a phase on (see pieces.h)."},
+    {"run_broadcast_pieces", (PyCFunction)(void (*)(void))Kernel_run_broadcast_pieces, METH_FASTCALL,
+     "A broadcast's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
     {"run_blocks", (PyCFunction)(void (*)(void))Kernel_run_blocks, METH_FASTCALL,
      "An all_gather's, gather's, all_to_all's or reduce_scatter's one step (see step_blocks)."},
     {"retire", (PyCFunction)Kernel_retire, METH_NOARGS, "The arena closes: express calls no longer use it."},

@@ -29,7 +29,7 @@ from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import part_bounds
 from ..ops import Op
-from .address import PIECE_BYTES
+from .address import PIECE_BYTES, SLOT_BYTES
 from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_module
 from . import express
 from .express import NOTHING
@@ -90,9 +90,10 @@ def _raw(arr: np.ndarray) -> np.ndarray:
 def _reduce_cost(c: Costs, nbytes: int, size: int) -> float:
     if size == 1:
         return 0.0
-    if nbytes <= min(1 << 20, one_step_limit(size)):
+    if nbytes <= min(SLOT_BYTES, one_step_limit(size)):
         return ARENA_SYNC + nbytes * ARENA_COPY + (size - 1) * nbytes * ARENA_REDUCE
-    steps = 2 * -(-nbytes // PIECE_BYTES)  # per piece: the others' parts in; its own part's result (then out)
+    # three steps within a slot; larger, per piece: the others' parts in, its own part's result (then out)
+    steps = 3 if nbytes <= SLOT_BYTES else 2 * -(-nbytes // PIECE_BYTES)
     return steps * ARENA_SYNC + (2 * size - 1) / size * nbytes * ARENA_COPY + (size - 1) / size * nbytes * ARENA_REDUCE
 
 
@@ -284,42 +285,59 @@ class _Pieces:
         done = arena.kernel.run_pieces(self.raw, *self.codes, self.first, arena.stamp, arena.sequence,
                                        arena.kernel_spin_ns, arena.kernel_yields, self.wants_result, self.piece, done)
         index, phase = divmod(done, 3)
-        arena.first, arena.step = self.first, self.first + 2 * index + min(phase, 2)
+        arena.first, arena.step = self.first, self.first + 2 * index + phase
         return done
 
     def run_phase(self, done: int) -> bool:
         """Phase `done` in Python (after the phases before it); True: the call went on in place and is over."""
-        arena, raw, index, phase = self.arena, self.raw, *divmod(done, 3)
+        index, phase = divmod(done, 3)
         lo = index * self.piece
         hi = min(self.total, lo + self.piece)
-        part = _own_part(arena, hi - lo, self.dtype)
-        step = self.first + 2 * index
+        part = _own_part(self.arena, hi - lo, self.dtype)
         if phase == 0:
-            step = arena.first_step(self.ref) if index == 0 else arena.claim()
-            if self.ref is None:
-                _copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw[lo:hi], part)
-            arena.publish(step)
-        elif phase == 1:
-            if index == 0:
-                arena.agree(step)
-                if self.root is None and arena.all_lent(step):
-                    _all_reduce_in_place(arena, raw, self.dtype, self.op, step)
-                    return True
-                self.sources = [None if q == arena.rank else arena.peer_buffer(step, q) for q in range(arena.size)]
-                if any(source is not None for source in self.sources):
-                    self.codes = None  # the kernel reads slots only
-            else:
-                arena.wait_all(step)
-            result = arena.claim()
-            _reduce_own_part(arena, self.op, raw, self.dtype, step, result, lo, part, self.wants_result, self.sources)
-            arena.publish(result)
-        else:
-            last = hi == self.total  # a lender waits until nobody reads it; with a user's op, until every part
-            if self.wants_result or (last and (self.ref is not None or may_fail(self.op))):  # was reduced
-                arena.wait_all(step + 1)
-            if self.wants_result:
-                _copy_other_parts(arena, raw, self.dtype, lo, hi, step + 1)
+            self._write_input(index, lo, hi, part)
+            return False
+        if phase == 1:
+            return self._reduce(index, lo, part)
+        self._copy_out(index, lo, hi)
         return False
+
+    def _write_input(self, index: int, lo: int, hi: int, part: tuple[int, int]) -> None:
+        """Phase 0: claim the piece's input step (the first: describe the call), copy in all but this rank's own
+        part (unless lent), publish."""
+        arena = self.arena
+        step = arena.first_step(self.ref) if index == 0 else arena.claim()
+        if self.ref is None:
+            _copy_in_but_own_part(arena, arena.slot(arena.rank, step), self.raw[lo:hi], part)
+        arena.publish(step)
+
+    def _reduce(self, index: int, lo: int, part: tuple[int, int]) -> bool:
+        """Phase 1: wait for every rank's input (the first piece: agree, and go on in place if every rank lent,
+        returning True; note who lent), reduce this rank's part into its slot of the result step, publish."""
+        arena, step = self.arena, self.first + 2 * index
+        if index == 0:
+            arena.agree(step)
+            if self.root is None and arena.all_lent(step):
+                _all_reduce_in_place(arena, self.raw, self.dtype, self.op, step)
+                return True
+            self.sources = [None if q == arena.rank else arena.peer_buffer(step, q) for q in range(arena.size)]
+            if any(source is not None for source in self.sources):
+                self.codes = None  # the kernel reads slots only
+        else:
+            arena.wait_all(step)
+        result = arena.claim()
+        _reduce_own_part(arena, self.op, self.raw, self.dtype, step, result, lo, part, self.wants_result, self.sources)
+        arena.publish(result)
+        return False
+
+    def _copy_out(self, index: int, lo: int, hi: int) -> None:
+        """Phase 2: once every rank published its part, copy the others' out (if this rank wants the result)."""
+        result = self.first + 2 * index + 1
+        last = hi == self.total  # a lender waits until nobody reads it; with a user's op, until every part was
+        if self.wants_result or (last and (self.ref is not None or may_fail(self.op))):  # reduced (may_fail)
+            self.arena.wait_all(result)
+        if self.wants_result:
+            _copy_other_parts(self.arena, self.raw, self.dtype, lo, hi, result)
 
 
 def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, step: int) -> None:
@@ -392,34 +410,62 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
     """Shared-memory broadcast: root writes each piece once, every other rank copies it out.
 
     Steps: per slot-sized piece, root writes it into its slot and publishes;
-    the others wait for root and copy it. The first step is every rank's: all
-    check that all make the same call. With root's buffer in shared memory,
-    the others copy straight from it (one copy in all).
+    the others wait for root and copy it (in the C kernel, chunk by chunk as
+    root writes it: pieces.h). The first step is every rank's: all check
+    that all make the same call. With root's buffer in shared memory, the
+    others copy straight from it (one copy in all).
     """
-    size, me = arena.size, arena.rank
-    if size == 1:
+    if arena.size == 1:
         return
     raw = _raw(buf)
     total = raw.nbytes
-    ref = arena.lend(raw, total) if me == root else None
+    ref = arena.lend(raw, total) if arena.rank == root else None
     if ref is None and arena.kernel is not None and total <= arena.slot_bytes and \
             _broadcast_one_step(arena, raw, root):
         return
-    step = arena.first_step(ref)
-    if me == root and ref is None:
-        copy_bytes(arena, arena.slot(me, step)[:min(total, arena.slot_bytes)], raw[:arena.slot_bytes])
-    arena.publish(step)
-    arena.agree(step)
-    if me == root:
-        if ref is None:
-            _broadcast_root_pieces(arena, raw)
-    else:
-        source = arena.peer_buffer(step, root)
-        if source is None:
-            _broadcast_copy_pieces(arena, raw, step, root)
-        else:
-            copy_bytes(arena, raw, source)
+    kernel = ref is None and arena.kernel is not None and total > arena.slot_bytes  # (only root lends)
+    first, phases, done = arena.step, 2 * max(1, -(-total // arena.slot_bytes)), 0
+    while done < phases:
+        if kernel:  # the pieces, streamed, as far as the kernel goes (pieces.h)
+            done = arena.kernel.run_broadcast_pieces(raw, root, first, arena.stamp, arena.sequence,
+                                                     arena.kernel_spin_ns, arena.kernel_yields, done)
+            arena.first, arena.step = first, first + (done + 1) // 2
+            if done == phases:
+                break
+        if _broadcast_phase(arena, raw, root, ref, first, done):
+            break  # root lent its buffer: the others copied it whole from there
+        done += 1
     arena.finish_lending(total, ref is not None)
+
+
+def _broadcast_phase(arena: Arena, raw: np.ndarray, root: int, ref: Any, first: int, done: int) -> bool:
+    """Phase `done` of a broadcast in Python, two per slot-sized piece as the kernel's (pieces.h): 0, claim
+    (root) and write the piece (root) or publish (done with the piece before); 1, the check of the first
+    step, and the copy out of root's slot (the others). True: root lent its buffer, read whole (the call is
+    over but for finish_lending)."""
+    index, phase = divmod(done, 2)
+    me, piece = arena.rank, arena.slot_bytes
+    lo = index * piece
+    hi = min(raw.nbytes, lo + piece)
+    if phase == 0:
+        step = arena.first_step(ref) if index == 0 else arena.claim() if me == root else arena.skip()
+        if me == root and ref is None:
+            copy_bytes(arena, arena.slot(me, step)[:hi - lo], raw[lo:hi])
+        arena.publish(step)
+        return False
+    step = first + index
+    if index == 0:
+        arena.agree(step)
+        source = arena.peer_buffer(step, root) if me != root else None
+        if source is not None:
+            copy_bytes(arena, raw, source)
+        if ref is not None or source is not None:
+            return True
+    elif me != root:
+        arena.wait_rank(root, step)
+    if me != root:
+        copy_bytes(arena, raw[lo:hi], arena.slot(root, step)[:hi - lo])
+    return False
 
 
 def _broadcast_one_step(arena: Arena, raw: np.ndarray, root: int) -> bool:
@@ -439,27 +485,6 @@ def _broadcast_one_step(arena: Arena, raw: np.ndarray, root: int) -> bool:
         copy_bytes(arena, raw, arena.slot(root, arena.first)[:raw.nbytes] if source is None else source)
     arena.finish_lending(raw.nbytes, False)
     return True
-
-
-def _broadcast_root_pieces(arena: Arena, raw: np.ndarray) -> None:
-    """Root: write each piece after the first into its slot and publish it."""
-    piece = arena.slot_bytes
-    for lo in range(piece, raw.nbytes, piece):
-        step = arena.claim()
-        copy_bytes(arena, arena.slot(arena.rank, step)[:min(raw.nbytes, lo + piece) - lo], raw[lo:lo + piece])
-        arena.publish(step)
-
-
-def _broadcast_copy_pieces(arena: Arena, raw: np.ndarray, step: int, root: int) -> None:
-    """Not root: copy each piece out of root's slot as soon as root published it."""
-    piece = arena.slot_bytes
-    for lo in range(0, raw.nbytes, piece):
-        hi = min(raw.nbytes, lo + piece)
-        if lo:
-            step = arena.skip()
-            arena.publish(step)  # done with the piece before: root may reuse its slot set
-            arena.wait_rank(root, step)
-        copy_bytes(arena, raw[lo:hi], arena.slot(root, step)[:hi - lo])
 
 
 # -- barrier ---------------------------------------------------------------------------------
