@@ -10,7 +10,7 @@ import numpy as np
 from tcoll.shm import arena as arena_module
 from tcoll.shm.kernel_abi import PROGRESS_LINE
 
-__all__ = ["CountingKernel", "FakeArena", "STAMP"]
+__all__ = ["CountingKernel", "FakeArena", "STAMP", "counted_kernel"]
 
 
 class CountingKernel:
@@ -35,6 +35,16 @@ class CountingKernel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.kernel, name)
+
+
+def counted_kernel(comm: Any, counting: type, python_rank: int = -1) -> Any:
+    """Make `comm`'s arena and wrap its kernel in `counting` (a CountingKernel-like class); rank `python_rank`
+    runs without the kernel (the Python steps). The counting wrapper, on every rank."""
+    comm.barrier(algorithm="shm")  # makes the arena
+    arena = comm.core.dispatch.arena
+    wrapper = counting(arena.kernel)
+    arena.kernel = None if comm.rank == python_rank else wrapper
+    return wrapper
 
 
 class FakeArena:

@@ -22,7 +22,7 @@ from tcoll.p2p.waiting import SpinPolicy
 from tcoll.shm import arena as arena_module
 from tcoll.shm.address import PIECE_BYTES, SLOT_BYTES, SLOT_BYTES_SHARED
 
-from helpers.fake_arena import STAMP, FakeArena
+from helpers.fake_arena import STAMP, FakeArena, counted_kernel
 from helpers.mismatch import assert_every_rank_raised, mismatch_said
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -76,10 +76,7 @@ def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, call
                 sizes: tuple[int, ...] = SIZES, broadcasts: bool = False) -> tuple[list[str], dict]:
     """all_reduce and reduce (or broadcasts) of `sizes` by turns, roots and a late rank by turns; (failures,
     kernel ends)."""
-    comm.barrier(algorithm="shm")  # makes the arena
-    arena = comm.core.dispatch.arena
-    counting = PieceCounting(arena.kernel)
-    arena.kernel = None if comm.rank == python_rank else counting
+    counting = counted_kernel(comm, PieceCounting, python_rank)
     p, me, bad = comm.size, comm.rank, []
     for call in range(calls):
         dtype, op, ufunc = CASES[call % len(CASES)]

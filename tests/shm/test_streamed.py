@@ -18,7 +18,7 @@ import pytest
 import tcoll
 from tcoll.shm import arena as arena_module
 
-from helpers.fake_arena import STAMP, CountingKernel, FakeArena
+from helpers.fake_arena import STAMP, CountingKernel, FakeArena, counted_kernel
 from helpers.mismatch import assert_every_rank_raised, mismatch_said
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -46,10 +46,7 @@ def _values(rank: int, call: int, nbytes: int) -> np.ndarray:
 
 def streamed_calls(comm: tcoll.Communicator, python_rank: int, lend: bool, calls: int) -> tuple[list[str], dict]:
     """Broadcasts and gathers of SIZES, roots and a late rank by turns; (failures, kernel states seen)."""
-    comm.barrier(algorithm="shm")  # makes the arena
-    arena = comm.core.dispatch.arena
-    counting = Counting(arena.kernel)
-    arena.kernel = None if comm.rank == python_rank else counting
+    counting = counted_kernel(comm, Counting, python_rank)
     p, me, bad = comm.size, comm.rank, []
     for call in range(calls):
         nbytes, root, late = SIZES[call % len(SIZES)], call % p, (call // 2) % p

@@ -549,22 +549,31 @@ static long step_broadcast(Kernel *self, const RunArgs *a, int root, int lending
 
 /* run_broadcast(buf, root, lending, step, stamp, sequence, spin_ns, yield): step_broadcast on `buf` (writable off
  * root). */
-static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The arguments of run_broadcast() and run_broadcast_pieces(): 8 of them, buf and root first, the step's five
+ * from args[step_at]; the buffer acquired (writable off root; release it), or -1 with the error set. */
+static int parse_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t step_at,
+                           const char *usage, RunArgs *a, int *root) {
     if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "run_broadcast(buf, root, lending, step, stamp, sequence, spin_ns, yield)");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
     }
-    RunArgs a;
-    memset(&a, 0, sizeof(a));
-    int root = (int)PyLong_AsLong(args[1]);
-    int lending = PyObject_IsTrue(args[2]);
-    if (PyErr_Occurred() || parse_step(args + 3, &a) < 0) return NULL;
-    if (self->held < 0 || root < 0 || root >= self->size) {
+    memset(a, 0, sizeof(*a));
+    *root = (int)PyLong_AsLong(args[1]);
+    if (PyErr_Occurred() || parse_step(args + step_at, a) < 0) return -1;
+    if (self->held < 0 || *root < 0 || *root >= self->size) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, or the root is not a rank");
-        return NULL;
+        return -1;
     }
-    a.want = self->rank != root;
-    if (PyObject_GetBuffer(args[0], &a.view, a.want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
+    a->want = self->rank != *root;
+    return PyObject_GetBuffer(args[0], &a->view, a->want ? PyBUF_WRITABLE : PyBUF_SIMPLE);
+}
+
+static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    RunArgs a;
+    int root, lending = nargs == 8 ? PyObject_IsTrue(args[2]) : 0;
+    if (lending < 0 || parse_broadcast(self, args, nargs, 3, "run_broadcast(buf, root, lending, step, stamp, "
+                                       "sequence, spin_ns, yield)", &a, &root) < 0)
+        return NULL;
     if (a.view.len > self->slot_bytes) {
         PyBuffer_Release(&a.view);
         PyErr_SetString(PyExc_ValueError, "arena kernel: the buffer does not fit a slot");

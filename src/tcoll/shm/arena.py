@@ -341,7 +341,7 @@ class Arena:
             self._desc[self._desc_at(1, q) + _VERDICT_WORD] == _CAN for q in range(self.size))
 
     def scratch(self) -> np.ndarray:
-        """A private buffer (made at first use): p pieces of a slot's share, at least 64 KiB (_all_reduce_in_place)."""
+        """A private buffer (made at first use): p pieces of a slot's share, at least 64 KiB (tcoll.shm.large)."""
         if self._scratch is None:
             self._scratch = np.empty(self.size * max(64 << 10, self.slot_bytes // self.size), dtype=np.uint8)
         return self._scratch

@@ -1,5 +1,5 @@
 /* The pipelined steps of calls larger than a slot, in C: the pieces of a large all_reduce / reduce
- * (tcoll.shm.vector._reduce_large) and of a large broadcast (tcoll.shm.vector.broadcast).
+ * (tcoll.shm.large.reduce_large) and of a large broadcast (tcoll.shm.vector.broadcast).
  *
  * A call larger than a slot goes piece by piece, two arena steps each: write all but this rank's own part of
  * the piece into its slot and publish (the input step); once every rank has, reduce this rank's part over
@@ -138,21 +138,17 @@ static long step_broadcast_pieces(Kernel *k, const RunArgs *a, int root, Py_ssiz
 /* run_broadcast_pieces(buf, root, step, stamp, sequence, spin_ns, yield, done): step_broadcast_pieces on `buf`
  * (root's not lent; writable off root) from phase `done`, in slot-sized pieces; returns the phases done. */
 static PyObject *Kernel_run_broadcast_pieces(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "run_broadcast_pieces(buf, root, step, stamp, sequence, spin_ns, yield, done)");
-        return NULL;
-    }
     RunArgs a;
-    memset(&a, 0, sizeof(a));
-    int root = (int)PyLong_AsLong(args[1]);
+    int root;
+    if (parse_broadcast(self, args, nargs, 2, "run_broadcast_pieces(buf, root, step, stamp, sequence, spin_ns, "
+                        "yield, done)", &a, &root) < 0)
+        return NULL;
     long done = PyLong_AsLong(args[7]);
-    if (PyErr_Occurred() || parse_step(args + 2, &a) < 0) return NULL;
-    if (self->held < 0 || root < 0 || root >= self->size || done < 0) {
-        PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, the root is not a rank, or a bad phase");
+    if (!PyErr_Occurred() && done < 0) PyErr_SetString(PyExc_ValueError, "arena kernel: a negative phase");
+    if (PyErr_Occurred()) {
+        PyBuffer_Release(&a.view);
         return NULL;
     }
-    a.want = self->rank != root;
-    if (PyObject_GetBuffer(args[0], &a.view, a.want ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
     self->busy++;
     done = step_broadcast_pieces(self, &a, root, self->slot_bytes, done);
     step_over(self);

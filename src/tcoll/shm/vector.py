@@ -27,13 +27,13 @@ import numpy as np
 
 from ..algos.registry import Costs, algorithm
 from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
-from ..algos.topology import part_bounds
 from ..ops import Op
 from .address import PIECE_BYTES, SLOT_BYTES
 from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_module
 from . import express
 from .express import NOTHING
-from .bridge import combine_all, copy_bytes, kernel_codes, may_fail, reduce_into
+from .bridge import combine_all, copy_bytes, kernel_codes, may_fail
+from .large import copy_in_but_own_part, copy_other_parts, own_part, reduce_large, reduce_own_part
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
@@ -136,7 +136,7 @@ def _reduce_direct(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> N
     elif buf.nbytes <= arena.slot_bytes:
         _reduce_split(arena, buf, op, root)
     else:
-        _reduce_large(arena, buf, op, root)
+        reduce_large(arena, _raw(buf), buf.dtype, op, root)
 
 
 def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
@@ -164,7 +164,7 @@ def _reduce_small(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     arena.agree(step)
     if want:
         combine_all(arena, op, slots, buf)
-    if may_fail(op):  # the others hear of it in this call, as in the steps of _reduce_split and _reduce_large
+    if may_fail(op):  # the others hear of it in this call, as in the steps of _reduce_split and reduce_large
         arena.publish(arena.skip())
         arena.wait_all(step + 1)
 
@@ -184,217 +184,20 @@ def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     if state == DONE:
         return
     raw = _raw(buf)
-    a, b = _own_part(arena, raw.nbytes, buf.dtype)
+    a, b = own_part(arena, raw.nbytes, buf.dtype)
     if not state:
         step = arena.first_step()
-        _copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw, (a, b))
+        copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw, (a, b))
         arena.publish(step)
     if state != REDUCED:
         arena.agree(arena.first)
-        _reduce_own_part(arena, op, raw, buf.dtype, arena.first, arena.first, 0, (a, b), want)
+        reduce_own_part(arena, op, raw, buf.dtype, arena.first, arena.first, 0, (a, b), want)
         arena.publish(arena.skip())
     if want or may_fail(op):
         arena.wait_all(arena.first + 1)
     if want:
-        _copy_other_parts(arena, raw, buf.dtype, 0, raw.nbytes, arena.first)
+        copy_other_parts(arena, raw, buf.dtype, 0, raw.nbytes, arena.first)
     arena.publish(arena.skip())
-
-
-def _own_part(arena: Arena, nbytes: int, dtype: np.dtype) -> tuple[int, int]:
-    """Byte bounds of this rank's 1/p of `nbytes` of `dtype` (part_bounds, in bytes)."""
-    first, last = part_bounds(nbytes // dtype.itemsize, arena.size, arena.rank)
-    return first * dtype.itemsize, last * dtype.itemsize
-
-
-def _copy_in_but_own_part(arena: Arena, slot: np.ndarray, piece: np.ndarray, part: tuple[int, int]) -> None:
-    """Copy the piece into the slot but for bytes [a, b), this rank's own part (it reads those in place)."""
-    a, b = part
-    if a:
-        copy_bytes(arena, slot[:a], piece[:a])
-    if b < piece.nbytes:
-        copy_bytes(arena, slot[b:piece.nbytes], piece[b:])
-
-
-def _reduce_own_part(arena: Arena, op: Op, raw: np.ndarray, dtype: np.dtype, step: int, into_step: int, lo: int,
-                     part: tuple[int, int], want: bool, sources: list[np.ndarray | None] | None = None) -> None:
-    """This rank's part [a, b) of the piece at raw[lo:], reduced in rank order over every rank's input (the
-    others' slots of `step`, or their lent buffers in `sources`; this rank's own input read in place from
-    raw) into its own slot of `into_step` at that part, and into raw there too if it wants the result."""
-    a, b = part
-    parts = [(raw[lo + a:lo + b] if q == arena.rank else
-              arena.slot(q, step)[a:b] if sources is None or sources[q] is None else
-              sources[q][lo + a:lo + b]).view(dtype) for q in range(arena.size)]
-    outs = [arena.slot(arena.rank, into_step)[a:b].view(dtype)]
-    if want:
-        outs.append(raw[lo + a:lo + b].view(dtype))
-    reduce_into(arena, op, parts, outs)
-
-
-def _copy_other_parts(arena: Arena, raw: np.ndarray, dtype: np.dtype, lo: int, hi: int, step: int) -> None:
-    """The other ranks' reduced parts of the piece raw[lo:hi], from their slots of `step`, into raw."""
-    count = (hi - lo) // dtype.itemsize
-    for q in range(arena.size):
-        if q != arena.rank:
-            first, last = part_bounds(count, arena.size, q)
-            a, b = first * dtype.itemsize, last * dtype.itemsize
-            copy_bytes(arena, raw[lo + a:lo + b], arena.slot(q, step)[a:b])
-
-
-def _reduce_large(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> None:
-    """Per piece (arena.piece_bytes): write all but this rank's own part of it, publish; reduce that part over every
-    rank's input (its own in place) into this rank's slot of the next step and its buffer, publish; copy
-    the other ranks' parts out. A buffer lent in place (comm.empty) is read there, not copied in.
-
-    The C kernel runs the pieces (pieces.h) where it takes the dtype and op and nobody lent; where it stops
-    (a wait past its spin, descriptors that differ, a peer that lent), Python takes that phase and calls it
-    again for the rest. An all_reduce whose every rank lent its buffer goes on in place after the first step
-    instead (_all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
-    """
-    raw = _raw(buf)
-    call = _Pieces(arena, raw, buf.dtype, op, root, arena.lend(raw, raw.nbytes, anywhere=root is None))
-    done = 0
-    while done < call.phases:
-        done = call.run_kernel(done)
-        if done < call.phases:
-            if call.run_phase(done):
-                return  # went on in place
-            done += 1
-
-
-class _Pieces:
-    """One large all_reduce / reduce in pieces of arena.piece_bytes, as phases (three per piece, pieces.h): 0, write
-    the input and publish; 1, reduce this rank's part into its slot of the result step and publish; 2, copy
-    the other ranks' parts out. Python runs any phase; the kernel runs as many as it can from one on."""
-
-    def __init__(self, arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, root: int | None,
-                 ref: tuple[int, int, int] | None) -> None:
-        self.arena, self.raw, self.dtype, self.op, self.root, self.ref = arena, raw, dtype, op, root, ref
-        self.total = raw.nbytes
-        self.piece = arena.piece_bytes // dtype.itemsize * dtype.itemsize
-        self.phases = 3 * -(-self.total // self.piece)
-        self.first = arena.step  # the call's first step; piece i's input step is first + 2i, its result's next
-        self.wants_result = root is None or arena.rank == root
-        self.sources: list[np.ndarray | None] = [None] * arena.size  # lent buffers, read in place
-        self.codes = kernel_codes(arena, dtype, op) if ref is None and not may_fail(op) else None
-
-    def run_kernel(self, done: int) -> int:
-        """The phases from `done` on in the kernel, as far as it goes; how many are done (`done`: no kernel)."""
-        if self.codes is None:
-            return done
-        arena = self.arena
-        done = arena.kernel.run_pieces(self.raw, *self.codes, self.first, arena.stamp, arena.sequence,
-                                       arena.kernel_spin_ns, arena.kernel_yields, self.wants_result, self.piece, done)
-        index, phase = divmod(done, 3)
-        arena.first, arena.step = self.first, self.first + 2 * index + phase
-        return done
-
-    def run_phase(self, done: int) -> bool:
-        """Phase `done` in Python (after the phases before it); True: the call went on in place and is over."""
-        index, phase = divmod(done, 3)
-        lo = index * self.piece
-        hi = min(self.total, lo + self.piece)
-        part = _own_part(self.arena, hi - lo, self.dtype)
-        if phase == 0:
-            self._write_input(index, lo, hi, part)
-            return False
-        if phase == 1:
-            return self._reduce(index, lo, part)
-        self._copy_out(index, lo, hi)
-        return False
-
-    def _write_input(self, index: int, lo: int, hi: int, part: tuple[int, int]) -> None:
-        """Phase 0: claim the piece's input step (the first: describe the call), copy in all but this rank's own
-        part (unless lent), publish."""
-        arena = self.arena
-        step = arena.first_step(self.ref) if index == 0 else arena.claim()
-        if self.ref is None:
-            _copy_in_but_own_part(arena, arena.slot(arena.rank, step), self.raw[lo:hi], part)
-        arena.publish(step)
-
-    def _reduce(self, index: int, lo: int, part: tuple[int, int]) -> bool:
-        """Phase 1: wait for every rank's input (the first piece: agree, and go on in place if every rank lent,
-        returning True; note who lent), reduce this rank's part into its slot of the result step, publish."""
-        arena, step = self.arena, self.first + 2 * index
-        if index == 0:
-            arena.agree(step)
-            if self.root is None and arena.all_lent(step):
-                _all_reduce_in_place(arena, self.raw, self.dtype, self.op, step)
-                return True
-            self.sources = [None if q == arena.rank else arena.peer_buffer(step, q) for q in range(arena.size)]
-            if any(source is not None for source in self.sources):
-                self.codes = None  # the kernel reads slots only
-        else:
-            arena.wait_all(step)
-        result = arena.claim()
-        _reduce_own_part(arena, self.op, self.raw, self.dtype, step, result, lo, part, self.wants_result, self.sources)
-        arena.publish(result)
-        return False
-
-    def _copy_out(self, index: int, lo: int, hi: int) -> None:
-        """Phase 2: once every rank published its part, copy the others' out (if this rank wants the result)."""
-        result = self.first + 2 * index + 1
-        last = hi == self.total  # a lender waits until nobody reads it; with a user's op, until every part was
-        if self.wants_result or (last and (self.ref is not None or may_fail(self.op))):  # reduced (may_fail)
-            self.arena.wait_all(result)
-        if self.wants_result:
-            _copy_other_parts(self.arena, self.raw, self.dtype, lo, hi, result)
-
-
-def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, step: int) -> None:
-    """The rest of an all_reduce whose every rank lent its buffer (`step`, its first, agreed), in two more
-    steps whatever the size: reduce this rank's 1/p over every rank's input into its own buffer, a
-    scratch-sized piece at a time (the others' read in place through the mapping, or by single copies
-    into the scratch: tcoll.shm.single_copy), publish; read the other ranks' reduced parts straight from
-    their buffers into this one, publish, and wait until nobody reads its own. Operands in rank order.
-
-    No byte goes through a slot: every byte that crosses between ranks is read once where it lies.
-    """
-    size, me = arena.size, arena.rank
-    sources = [None if q == me else arena.peer_source(step, q) for q in range(size)]
-    a, b = _own_part(arena, raw.nbytes, dtype)
-    scratch = arena.scratch()
-    # p pieces of scratch: the p - 1 others' inputs (read by single copies) and the partial result
-    piece = scratch.nbytes // size // 4096 * 4096 // dtype.itemsize * dtype.itemsize  # at least 64 KiB (a tiny
-    # slot would make a piece of a few elements, and a Python loop of them)
-    for lo in range(a, b, piece):
-        hi = min(b, lo + piece)
-        parts = [raw[lo:hi] if q == me else _lent_part(arena, q, sources[q], lo, hi, scratch[q * piece:])
-                 for q in range(size)]
-        _reduce_into_own(arena, op, [part.view(dtype) for part in parts], raw[lo:hi].view(dtype),
-                         scratch[me * piece:][:hi - lo].view(dtype))
-    reduced = arena.skip()
-    arena.publish(reduced)
-    arena.wait_all(reduced)
-    count = raw.nbytes // dtype.itemsize
-    for q in range(size):
-        if q != me:
-            first, last = part_bounds(count, size, q)
-            arena.read_peer(q, sources[q], first * dtype.itemsize, raw[first * dtype.itemsize:last * dtype.itemsize])
-    done = arena.skip()
-    arena.publish(done)
-    arena.wait_all(done)  # the others may still read this rank's part
-
-
-def _reduce_into_own(arena: Arena, op: Op, parts: list[np.ndarray], own: np.ndarray, scratch: np.ndarray) -> None:
-    """own = parts[0] op ... op parts[-1], in rank order, where `own` is this rank's part (one of `parts`).
-
-    The last combination writes straight into `own`: an output may be the very array of either operand of
-    one combination (reduce_into), and by then this rank's part has been read. The others before it go into
-    `scratch` (cached), which overlaps nothing.
-    """
-    if len(parts) > 2:
-        reduce_into(arena, op, parts[:-1], [scratch])
-        parts = [scratch, parts[-1]]
-    reduce_into(arena, op, parts, [own])
-
-
-def _lent_part(arena: Arena, rank: int, source: Any, lo: int, hi: int, scratch: np.ndarray) -> np.ndarray:
-    """Bytes [lo, hi) of what `rank` lent: in place if it lies in shared memory, else read into `scratch`."""
-    if isinstance(source, np.ndarray):
-        return source[lo:hi]
-    into = scratch[:hi - lo]
-    arena.read_peer(rank, source, lo, into)
-    return into
 
 
 # -- broadcast -----------------------------------------------------------------------------
