@@ -1,8 +1,8 @@
 """The C kernel's loops over the pieces of calls larger than a slot (tcoll/shm/pieces.h): all_reduce and
-reduce, and broadcast (streamed).
+reduce, and broadcast and gather (streamed).
 
 On real ranks: all_reduce and reduce of several sizes, dtypes and ops against NumPy folded in rank order,
-and broadcasts from every root, every rank in C; one rank in Python beside them (the phases pair); one
+and broadcasts and gathers from every root, every rank in C; one rank in Python beside them (the phases pair); one
 rank's buffer lent (the kernel stops at the first piece and Python reads it in place); a rank late by
 turns (the kernel stops at a wait and Python takes that phase); sizes that differ (every rank raises). On
 an arena's memory in this process, where the test plays the peer: each phase's words and bytes, a call
@@ -30,6 +30,7 @@ needs_kernel = pytest.mark.skipif(arena_module.kernel_module is None, reason="th
 K = arena_module.kernel_module
 SLOT = 16 << 10  # the ranks' arena slot, and so their piece: calls larger take the pieces
 SIZES = (SLOT + 4, 3 * SLOT - 24, 5 * SLOT + 1000)  # bytes: two pieces, three (the last short), six
+KINDS = ["reductions", "broadcasts", "gathers"]
 CASES = [(np.float32, "sum", np.add), (np.int64, "max", np.maximum), (np.float64, "prod", np.multiply)]
 
 
@@ -47,6 +48,11 @@ class PieceCounting:
 
     def run_broadcast_pieces(self, *args: object) -> int:
         done = self.kernel.run_broadcast_pieces(*args)
+        self.ends["all" if done == 2 * -(-memoryview(args[0]).nbytes // SLOT) else "early"] += 1
+        return done
+
+    def run_gather_pieces(self, *args: object) -> int:
+        done = self.kernel.run_gather_pieces(*args)
         self.ends["all" if done == 2 * -(-memoryview(args[0]).nbytes // SLOT) else "early"] += 1
         return done
 
@@ -73,9 +79,9 @@ def _folded(ufunc: np.ufunc, inputs: list[np.ndarray]) -> np.ndarray:
 
 
 def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, calls: int,
-                sizes: tuple[int, ...] = SIZES, broadcasts: bool = False) -> tuple[list[str], dict]:
-    """all_reduce and reduce (or broadcasts) of `sizes` by turns, roots and a late rank by turns; (failures,
-    kernel ends)."""
+                sizes: tuple[int, ...] = SIZES, kind: str = "reductions") -> tuple[list[str], dict]:
+    """all_reduce and reduce (or broadcasts, or gathers) of `sizes` by turns, roots and a late rank by turns;
+    (failures, kernel ends)."""
     counting = counted_kernel(comm, PieceCounting, python_rank)
     p, me, bad = comm.size, comm.rank, []
     for call in range(calls):
@@ -86,9 +92,12 @@ def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, call
         x[...] = inputs[me]
         if me == (call // 2) % p:
             _busy(0.0003)
-        if broadcasts:
+        if kind == "broadcasts":
             comm.broadcast(x, call % p, algorithm="shm")
             want = inputs[call % p]
+        elif kind == "gathers":
+            got = comm.gather(x, call % p, algorithm="shm")
+            x, want = (got, np.stack(inputs)) if me == call % p else (x, inputs[me])
         elif call % 2 == 0:
             comm.all_reduce(x, op, algorithm="shm")
             want = _folded(ufunc, inputs)
@@ -97,18 +106,17 @@ def large_calls(comm: tcoll.Communicator, python_rank: int, lend_rank: int, call
             comm.reduce(x, root, op, algorithm="shm")
             want = _folded(ufunc, inputs) if me == root else inputs[me]
         if not np.array_equal(x, want):
-            name = "broadcast" if broadcasts else "all_reduce" if call % 2 == 0 else "reduce"
+            name = kind if kind != "reductions" else "all_reduce" if call % 2 == 0 else "reduce"
             bad.append(f"rank {me}: call #{call} ({name} {op} {count} {np.dtype(dtype)}) differs from NumPy")
     return bad, dict(counting.ends)
 
 
 @needs_kernel
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("broadcasts", [False, True], ids=["reductions", "broadcasts"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_pieces_in_the_kernel_match_numpy(size: int, broadcasts: bool) -> None:
-    results = tcoll.spawn(large_calls, size, (-1, -1, 18, SIZES, broadcasts), timeout=100, transport="shm",
-                          shm_slot=SLOT)
+def test_pieces_in_the_kernel_match_numpy(size: int, kind: str) -> None:
+    results = tcoll.spawn(large_calls, size, (-1, -1, 18, SIZES, kind), timeout=100, transport="shm", shm_slot=SLOT)
     assert not [f for bad, _ in results for f in bad], results
     if size == 2:  # (more ranks than cores: a call ends in the kernel only when every rank comes within its spin)
         assert all(ends.get("all") for _, ends in results), results
@@ -116,10 +124,10 @@ def test_pieces_in_the_kernel_match_numpy(size: int, broadcasts: bool) -> None:
 
 @needs_kernel
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("broadcasts", [False, True], ids=["reductions", "broadcasts"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("python_rank", [0, 2])
-def test_a_rank_in_python_pairs_with_ranks_in_the_kernel(python_rank: int, broadcasts: bool) -> None:
-    results = tcoll.spawn(large_calls, 3, (python_rank, -1, 18, SIZES, broadcasts), timeout=100, transport="shm",
+def test_a_rank_in_python_pairs_with_ranks_in_the_kernel(python_rank: int, kind: str) -> None:
+    results = tcoll.spawn(large_calls, 3, (python_rank, -1, 18, SIZES, kind), timeout=100, transport="shm",
                           shm_slot=SLOT)
     assert not [f for bad, _ in results for f in bad], results
     assert not results[python_rank][1], results  # (it never ran the kernel)
@@ -127,14 +135,13 @@ def test_a_rank_in_python_pairs_with_ranks_in_the_kernel(python_rank: int, broad
 
 @needs_kernel
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("broadcasts", [False, True], ids=["reductions", "broadcasts"])
-def test_a_lent_buffer_stops_the_kernel_and_is_read_in_place(broadcasts: bool) -> None:
-    """(A broadcast's other ranks stop where root lent: calls #1, #4, ...; root 1 runs those in Python.)"""
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lent_buffer_stops_the_kernel_and_is_read_in_place(kind: str) -> None:
+    """(Rank 1 lends; in a broadcast the others stop where it is root, in a gather its root does where it is not.)"""
     lending = (arena_module.ZERO_COPY_BYTES + 8, 5 * SLOT + 1000)  # (comm.empty buffers are lent from this size)
-    results = tcoll.spawn(large_calls, 3, (-1, 1, 12, lending, broadcasts), timeout=100, transport="shm",
-                          shm_slot=SLOT)
+    results = tcoll.spawn(large_calls, 3, (-1, 1, 12, lending, kind), timeout=100, transport="shm", shm_slot=SLOT)
     assert not [f for bad, _ in results for f in bad], results
-    if not broadcasts:  # the first piece found a lender
+    if kind == "reductions":  # the first piece found a lender
         assert not any(ends.get("all") for _, ends in results), results
     else:
         assert all(ends.get("early") for rank, (_, ends) in enumerate(results) if rank != 1), results
@@ -166,17 +173,17 @@ def test_every_rank_takes_rank_zeros_pieces(zero_shares_cores: bool) -> None:
 
 
 def differing(comm: tcoll.Communicator, sizes: tuple[int, int], name: str) -> tuple[str, bool]:
-    """Rank 0 reduces (or broadcasts) sizes[0] bytes where the others do sizes[1]; then a right call."""
+    """Rank 0 reduces (broadcasts, gathers) sizes[0] bytes where the others do sizes[1]; then a right call."""
     x = np.ones(sizes[0 if comm.rank == 0 else 1] // 4, np.float32)
     said = mismatch_said(lambda: comm.all_reduce(x, algorithm="shm") if name == "all_reduce" else
-                         comm.broadcast(x, 1, algorithm="shm"))
+                         getattr(comm, name)(x, 1, algorithm="shm"))
     got = comm.all_gather(np.array([comm.rank]), algorithm="shm")
     return said, bool(np.array_equal(got.ravel(), np.arange(comm.size)))
 
 
 @needs_kernel
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", ["all_reduce", "broadcast"])
+@pytest.mark.parametrize("name", ["all_reduce", "broadcast", "gather"])
 @pytest.mark.parametrize("sizes", [(2 * SLOT, 2 * SLOT + 64), (2 * SLOT, 4 * SLOT)])  # same pieces; more
 def test_pieces_that_differ_raise_on_every_rank(sizes: tuple[int, int], name: str) -> None:
     results = tcoll.spawn(differing, 3, (sizes, name), timeout=50, transport="shm", shm_slot=SLOT)
@@ -298,3 +305,22 @@ def test_a_broadcast_reader_leaves_a_lent_root_buffer_to_python() -> None:
     _describe(fake, lent=1)
     fake.counters[1] = 1
     assert _broadcast_pieces(fake, out, 1, 0) == 1 and not out.any()
+
+
+@needs_kernel
+def test_a_gathering_root_copies_each_block_into_place_as_its_writer_announces_it() -> None:
+    fake = FakeArena()
+    block = (np.arange(PIECE + 1000) % 251).astype(np.uint8)
+    mine, out = np.zeros_like(block), np.zeros(2 * block.size, np.uint8)
+    gather = fake.kernel.run_gather_pieces
+    _describe(fake)
+    fake.slot(1, 0, np.uint8, PIECE)[...] = block[:PIECE]
+    fake.progress(1)[:] = [1, PIECE // 2]  # rank 1 announced half of its first piece
+    assert gather(mine, out, 0, 0, STAMP, 7, 0, False, 0) == 1 and fake.counters[0] == 1
+    assert np.array_equal(out[block.size:block.size + PIECE // 2], block[:PIECE // 2])
+    fake.counters[1] = 1
+    assert gather(mine, out, 0, 0, STAMP, 7, 0, False, 1) == 3 and fake.counters[0] == 2  # waits for piece 1
+    fake.slot(1, 1, np.uint8, 1000)[...] = block[PIECE:]
+    fake.counters[1] = 2
+    assert gather(mine, out, 0, 0, STAMP, 7, 0, False, 3) == 4
+    assert np.array_equal(out[block.size:], block) and not out[:block.size].any()  # (root's own: the caller's)

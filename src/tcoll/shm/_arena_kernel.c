@@ -898,6 +898,8 @@ static PyMethodDef Kernel_methods[] = {
      "A large all_reduce's or reduce's pieces, from a phase on (see pieces.h)."},
     {"run_broadcast_pieces", (PyCFunction)(void (*)(void))Kernel_run_broadcast_pieces, METH_FASTCALL,
      "A broadcast's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
+    {"run_gather_pieces", (PyCFunction)(void (*)(void))Kernel_run_gather_pieces, METH_FASTCALL,
+     "A gather's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
     {"run_blocks", (PyCFunction)(void (*)(void))Kernel_run_blocks, METH_FASTCALL,
      "An all_gather's, gather's, all_to_all's or reduce_scatter's one step (see step_blocks)."},
     {"retire", (PyCFunction)Kernel_retire, METH_NOARGS, "The arena closes: express calls no longer use it."},

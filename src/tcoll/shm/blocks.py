@@ -173,41 +173,69 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
             _gather_out(arena, out.view(np.uint8), displacements(nbytes), nbytes, 0, piece, arena.first, sources)
         arena.finish_lending(total, False)
         return
-    if me != root:
-        ref = arena.lend(own, total)
-        for index in range(steps):  # a lender takes every step too: step numbers stay equal on all ranks
-            lo = index * piece
-            step = arena.first_step(ref) if index == 0 else arena.claim()
-            if ref is None:
-                copy_bytes(arena, arena.slot(me, step)[:max(0, min(nbytes[me], lo + piece) - lo)], own[lo:lo + piece])
+    call = _GatherPieces(arena, own, None if out is None else out.view(np.uint8), nbytes, root)
+    done = 0
+    while done < call.phases:
+        done = call.run_kernel(done)
+        if done < call.phases:
+            call.run_phase(done)
+            done += 1
+    arena.finish_lending(total, call.ref is not None)
+
+
+class _GatherPieces:
+    """A gather of more than a slot a block, in slot-sized pieces, as phases (two per piece, as the kernel's
+    streamed ones in pieces.h): 0, claim and write the piece (the others; a lender writes nothing) or publish
+    (root: done with the piece before); 1, the check of the first step, and root's copies out (a lent block
+    whole, in the first). The kernel runs as many as it can where the blocks are alike and nobody lent."""
+
+    def __init__(self, arena: Arena, own: np.ndarray, out: np.ndarray | None, nbytes: list[int], root: int) -> None:
+        self.arena, self.own, self.out, self.nbytes, self.root = arena, own, out, nbytes, root
+        self.piece = arena.slot_bytes  # bytes: blocks are only moved
+        self.phases = 2 * _steps(nbytes, self.piece)
+        self.first = arena.step
+        self.ref = arena.lend(own, sum(nbytes)) if arena.rank != root else None  # a lender takes every step too
+        self.sources: list[np.ndarray | None] = [None] * arena.size  # root: the lent blocks, read in place
+        self.kernel = arena.kernel is not None and self.ref is None and min(nbytes) == max(nbytes)
+
+    def run_kernel(self, done: int) -> int:
+        """The phases from `done` on in the kernel, as far as it goes; how many are done (`done`: no kernel)."""
+        if not self.kernel:
+            return done
+        arena = self.arena
+        done = arena.kernel.run_gather_pieces(self.own, self.out, self.root, self.first, arena.stamp, arena.sequence,
+                                              arena.kernel_spin_ns, arena.kernel_yields, done)
+        arena.first, arena.step = self.first, self.first + (done + 1) // 2
+        return done
+
+    def run_phase(self, done: int) -> None:
+        """Phase `done` in Python (after the phases before it)."""
+        arena, (index, phase) = self.arena, divmod(done, 2)
+        lo, me = index * self.piece, arena.rank
+        if phase == 0:
+            if me == self.root:
+                step = arena.first_step() if index == 0 else arena.skip()
+            else:
+                step = arena.first_step(self.ref) if index == 0 else arena.claim()
+                if self.ref is None:
+                    mine = self.own[lo:lo + self.piece]
+                    copy_bytes(arena, arena.slot(me, step)[:mine.nbytes], mine)
             arena.publish(step)
-            if index == 0:
-                arena.agree(step)
-        arena.finish_lending(total, ref is not None)
-        return
-    assert out is not None
-    _gather_root(arena, out.view(np.uint8), nbytes, piece, steps)
-    arena.finish_lending(total, False)
-
-
-def _gather_root(arena: Arena, raw: np.ndarray, nbytes: list[int], piece: int, steps: int) -> None:
-    """Root of the shm gather: copy every other rank's pieces (or lent blocks) into `raw`."""
-    size, me = arena.size, arena.rank
-    disp = displacements(nbytes)
-    others = [q for q in range(size) if q != me]
-    sources: list[np.ndarray | None] = []
-    for index in range(steps):
-        lo = index * piece
-        step = arena.first_step() if index == 0 else arena.skip()
-        arena.publish(step)  # done with the step before: its writers may reuse their slots
+            return
+        step = self.first + index
         if index == 0:
             arena.agree(step)
-            sources = [None if q == me else arena.peer_buffer(step, q) for q in range(size)]
-        else:
-            for q in others:
-                if sources[q] is None and nbytes[q] > lo:
+            if me == self.root:
+                self.sources = [None if q == me else arena.peer_buffer(step, q) for q in range(arena.size)]
+                self.kernel = self.kernel and not any(source is not None for source in self.sources)
+        elif me == self.root:
+            for q in range(arena.size):
+                if q != me and self.sources[q] is None and self.nbytes[q] > lo:
                     arena.wait_rank(q, step)
-        _gather_out(arena, raw, disp, nbytes, lo, piece, step, sources, index == 0)
+        if me == self.root:
+            assert self.out is not None
+            _gather_out(arena, self.out, displacements(self.nbytes), self.nbytes, lo, self.piece, step, self.sources,
+                        index == 0)
 
 
 def _gather_out(arena: Arena, raw: np.ndarray, disp: list[int], nbytes: list[int], lo: int, piece: int, step: int,

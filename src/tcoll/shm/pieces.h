@@ -1,5 +1,6 @@
 /* The pipelined steps of calls larger than a slot, in C: the pieces of a large all_reduce / reduce
- * (tcoll.shm.large.reduce_large) and of a large broadcast (tcoll.shm.vector.broadcast).
+ * (tcoll.shm.large.reduce_large), and of large broadcasts and gathers (tcoll.shm.vector.broadcast,
+ * tcoll.shm.blocks.gather).
  *
  * A call larger than a slot goes piece by piece, two arena steps each: write all but this rank's own part of
  * the piece into its slot and publish (the input step); once every rank has, reduce this rank's part over
@@ -88,70 +89,125 @@ static PyObject *Kernel_run_pieces(Kernel *self, PyObject *const *args, Py_ssize
     return PyLong_FromLong(done);
 }
 
-/* A broadcast larger than a slot, in slot-sized pieces, one step each, streamed: root copies each piece into
- * its slot a chunk at a time, announcing each (stream_slot), and publishes it; the others publish the step
- * at once (done with the piece before it: root may reuse that slot set) and copy each chunk as it is
- * announced (read_stream), so that a piece crosses between the cores once, overlapped, where in Python it
- * was copied in whole, then out whole. Two phases per piece: 0, claim (root; the others only in the first
- * piece), describe (the first piece), and write (root) or publish (the others); 1, read (the others), and in
- * the first piece the check that every rank describes the same call. */
-static int broadcast_phase(Kernel *k, const RunArgs *a, int root, int phase, uint64_t step, int first,
-                           uint8_t *mine, Py_ssize_t len) {
+/* A rooted call larger than a slot, in slot-sized pieces, one step each, streamed: a broadcast (root writes,
+ * the others read) or a gather of equal blocks (the others write, root reads each one's into its place). */
+typedef struct {
+    int root, gathering;
+    uint8_t *out;       /* a gather's root: where block q goes, at q * block */
+    Py_ssize_t block;   /* a gather's bytes per rank */
+} Rooted;
+
+/* A broadcast's or gather's piece at byte `lo` (`len` bytes) of every block, whose step is `step`, streamed: a
+ * writer copies its piece into its slot a chunk at a time, announcing each (stream_slot), and publishes it; a
+ * reader publishes the step at once (done with the piece before it: the writers may reuse that slot set) and
+ * copies each chunk as it is announced (read_stream), so that a piece crosses between the cores once,
+ * overlapped, where in Python it was copied in whole, then out whole. Two phases per piece: 0, claim (a
+ * writer; a reader only in the first piece), describe (the first piece), and write or publish; 1, read (a
+ * reader), and in the first piece the check that every rank describes the same call. 1 once done, 0 where it
+ * cannot go on (a wait past the spin; a writer that describes another call or lent its buffer). The GIL is
+ * let go while streaming: a reader waits there for the writer, which may be a thread of this process. */
+static int rooted_phase(Kernel *k, const RunArgs *a, const Rooted *r, int phase, uint64_t step, int first,
+                        Py_ssize_t lo, Py_ssize_t len) {
     RunArgs at = *a;
     at.step = step;
-    int streamed = 1;
+    int writer = r->gathering ? k->rank != r->root : k->rank == r->root, streamed = 1;
     if (phase == 0) {
-        if ((first || k->rank == root) && step >= 1 && !wait_all(k, step, a->spin_ns, a->yield)) return 0;
+        if ((first || writer) && step >= 1 && !wait_all(k, step, a->spin_ns, a->yield)) return 0;
         if (first) describe_step(k, &at);
-        if (k->rank != root) {
+        if (!writer) {
             publish_counter(k, step + 1);
             return 1;
         }
         PyThreadState *saved = PyEval_SaveThread();
-        stream_slot(k, &at, mine, len);
+        stream_slot(k, &at, (const uint8_t *)a->view.buf + lo, len);
         PyEval_RestoreThread(saved);
-    } else if (k->rank != root) {
+    } else if (!writer) {
         PyThreadState *saved = PyEval_SaveThread();
-        streamed = read_stream(k, &at, root, mine, len, first);  /* (first: root's descriptor names this call) */
+        if (r->gathering) {
+            for (int q = 0; q < k->size && streamed; q++)
+                streamed = q == k->rank || read_stream(k, &at, q, r->out + q * r->block + lo, len, first);
+        } else {
+            streamed = read_stream(k, &at, r->root, (uint8_t *)a->view.buf + lo, len, first);
+        }
         PyEval_RestoreThread(saved);
     }
     return streamed && !(phase == 1 && first && (!wait_all(k, step + 1, a->spin_ns, a->yield) ||
                                                  !descriptors_agree(k, step)));
 }
 
-/* The phases from `done` on of a broadcast of `a->view.len` bytes from `root`, in pieces of `piece` bytes, its
- * first step `a->step`: how many are done when it stops (2 per piece: all, or where it could not go on: a
- * wait past the spin, a descriptor that differs, a root that lent its buffer). */
-static long step_broadcast_pieces(Kernel *k, const RunArgs *a, int root, Py_ssize_t piece, long done) {
+/* The phases from `done` on of a rooted call of `a->view.len` bytes a block (a broadcast's buffer, a gather's
+ * blocks), in pieces of `piece` bytes, its first step `a->step`: how many are done when it stops (2 per
+ * piece: all, or where rooted_phase could not go on). */
+static long step_rooted_pieces(Kernel *k, const RunArgs *a, const Rooted *r, Py_ssize_t piece, long done) {
     Py_ssize_t total = a->view.len;
     long phases = 2 * (long)((total + piece - 1) / piece);
     for (; done < phases; done++) {
         long index = done / 2;
         Py_ssize_t lo = (Py_ssize_t)index * piece, len = total - lo < piece ? total - lo : piece;
-        if (!broadcast_phase(k, a, root, (int)(done % 2), a->step + (uint64_t)index, index == 0,
-                             (uint8_t *)a->view.buf + lo, len))
+        if (!rooted_phase(k, a, r, (int)(done % 2), a->step + (uint64_t)index, index == 0, lo, len))
             break;
     }
     return done;
 }
 
-/* run_broadcast_pieces(buf, root, step, stamp, sequence, spin_ns, yield, done): step_broadcast_pieces on `buf`
- * (root's not lent; writable off root) from phase `done`, in slot-sized pieces; returns the phases done. */
+/* step_rooted_pieces with the kernel held, the buffers released after; the phases done, or NULL with the error
+ * set (`done` negative). */
+static PyObject *run_rooted_pieces(Kernel *self, RunArgs *a, const Rooted *r, Py_buffer *out, long done) {
+    if (!PyErr_Occurred() && done < 0) PyErr_SetString(PyExc_ValueError, "arena kernel: a negative phase");
+    if (!PyErr_Occurred()) {
+        self->busy++;
+        done = step_rooted_pieces(self, a, r, self->slot_bytes, done);
+        step_over(self);
+    }
+    PyBuffer_Release(&a->view);
+    if (out != NULL) PyBuffer_Release(out);
+    return PyErr_Occurred() ? NULL : PyLong_FromLong(done);
+}
+
+/* run_broadcast_pieces(buf, root, step, stamp, sequence, spin_ns, yield, done): step_rooted_pieces of a broadcast
+ * of `buf` (root's not lent; writable off root) from phase `done`; returns the phases done. */
 static PyObject *Kernel_run_broadcast_pieces(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
-    int root;
+    Rooted r = {0, 0, NULL, 0};
     if (parse_broadcast(self, args, nargs, 2, "run_broadcast_pieces(buf, root, step, stamp, sequence, spin_ns, "
-                        "yield, done)", &a, &root) < 0)
+                        "yield, done)", &a, &r.root) < 0)
         return NULL;
-    long done = PyLong_AsLong(args[7]);
-    if (!PyErr_Occurred() && done < 0) PyErr_SetString(PyExc_ValueError, "arena kernel: a negative phase");
-    if (PyErr_Occurred()) {
-        PyBuffer_Release(&a.view);
+    return run_rooted_pieces(self, &a, &r, NULL, PyLong_AsLong(args[7]));
+}
+
+/* run_gather_pieces(send, out, root, step, stamp, sequence, spin_ns, yield, done): step_rooted_pieces of a gather
+ * of equal blocks (`send`, this rank's, not lent; `out`: root's, a block a rank; None elsewhere) from phase
+ * `done`; returns the phases done. */
+static PyObject *Kernel_run_gather_pieces(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "run_gather_pieces(send, out, root, step, stamp, sequence, spin_ns, yield, done)");
         return NULL;
     }
-    self->busy++;
-    done = step_broadcast_pieces(self, &a, root, self->slot_bytes, done);
-    step_over(self);
-    PyBuffer_Release(&a.view);
-    return PyLong_FromLong(done);
+    RunArgs a;
+    memset(&a, 0, sizeof(a));
+    Rooted r = {(int)PyLong_AsLong(args[2]), 1, NULL, 0};
+    if (PyErr_Occurred() || parse_step(args + 3, &a) < 0) return NULL;
+    if (self->held < 0 || r.root < 0 || r.root >= self->size || (self->rank == r.root) == (args[1] == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, the root is not a rank, or out is not "
+                                          "root's alone");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &a.view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_buffer out;
+    if (self->rank == r.root) {
+        if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&a.view);
+            return NULL;
+        }
+        if (out.len != a.view.len * self->size) {
+            PyBuffer_Release(&out);
+            PyBuffer_Release(&a.view);
+            PyErr_SetString(PyExc_ValueError, "arena kernel: a gather's out holds a block a rank");
+            return NULL;
+        }
+        r.out = out.buf;
+    }
+    r.block = a.view.len;
+    return run_rooted_pieces(self, &a, &r, self->rank == r.root ? &out : NULL, PyLong_AsLong(args[8]));
 }
