@@ -35,8 +35,7 @@ CASES = [(np.float32, "sum", np.add), (np.int64, "max", np.maximum), (np.float64
 
 
 class PieceCounting:
-    """Stands in for an arena's kernel and counts how run_pieces and run_broadcast_pieces ended: "all" phases,
-    or stopped early."""
+    """Stands in for an arena's kernel and counts how its loops of pieces ended: "all" phases, or "early"."""
 
     def __init__(self, kernel: object) -> None:
         self.kernel, self.ends = kernel, Counter()
@@ -46,15 +45,16 @@ class PieceCounting:
         self.ends["all" if done == 3 * -(-memoryview(args[0]).nbytes // args[9]) else "early"] += 1
         return done
 
-    def run_broadcast_pieces(self, *args: object) -> int:
-        done = self.kernel.run_broadcast_pieces(*args)
+    def _rooted(self, loop: str, *args: object) -> int:
+        done = getattr(self.kernel, loop)(*args)
         self.ends["all" if done == 2 * -(-memoryview(args[0]).nbytes // SLOT) else "early"] += 1
         return done
 
+    def run_broadcast_pieces(self, *args: object) -> int:
+        return self._rooted("run_broadcast_pieces", *args)
+
     def run_gather_pieces(self, *args: object) -> int:
-        done = self.kernel.run_gather_pieces(*args)
-        self.ends["all" if done == 2 * -(-memoryview(args[0]).nbytes // SLOT) else "early"] += 1
-        return done
+        return self._rooted("run_gather_pieces", *args)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.kernel, name)
@@ -265,7 +265,6 @@ def _broadcast_pieces(fake: FakeArena, buf: np.ndarray, root: int, done: int) ->
     return fake.kernel.run_broadcast_pieces(buf, root, 0, STAMP, 7, 0, False, done)
 
 
-
 @needs_kernel
 def test_a_broadcasting_root_streams_each_piece_once_every_rank_is_done_with_its_slot_set() -> None:
     fake = FakeArena()
@@ -324,3 +323,45 @@ def test_a_gathering_root_copies_each_block_into_place_as_its_writer_announces_i
     fake.counters[1] = 2
     assert gather(mine, out, 0, 0, STAMP, 7, 0, False, 3) == 4
     assert np.array_equal(out[block.size:], block) and not out[:block.size].any()  # (root's own: the caller's)
+
+
+@needs_kernel
+def test_a_gathered_rank_streams_its_pieces_and_waits_for_root_before_reusing_a_slot_set() -> None:
+    fake = FakeArena()  # rank 0 writes, rank 1 is root
+    block = (np.arange(2 * PIECE + 100) % 251).astype(np.uint8)  # three pieces
+    gather = fake.kernel.run_gather_pieces
+    assert gather(block, None, 1, 0, STAMP, 7, 0, False, 0) == 1  # piece 0 streamed and published
+    assert fake.progress(0).tolist() == [1, PIECE] and np.array_equal(fake.slot(0, 0, np.uint8, PIECE), block[:PIECE])
+    _describe(fake)
+    fake.counters[1] = 1  # root published step 0 (done with nothing before it)
+    assert gather(block, None, 1, 0, STAMP, 7, 0, False, 1) == 4  # checked; piece 1 written; piece 2 must wait
+    assert fake.counters[0] == 2 and np.array_equal(fake.slot(0, 1, np.uint8, PIECE), block[PIECE:2 * PIECE])
+    assert np.array_equal(fake.slot(0, 0, np.uint8, PIECE), block[:PIECE])  # set 0 still root's to read
+    fake.counters[1] = 2  # root is done with piece 0
+    assert gather(block, None, 1, 0, STAMP, 7, 0, False, 4) == 6 and fake.counters[0] == 3
+    assert np.array_equal(fake.slot(0, 2, np.uint8, 100), block[2 * PIECE:])
+
+
+@needs_kernel
+def test_rooted_readers_leave_a_writer_that_describes_another_call_to_python() -> None:
+    fake = FakeArena()
+    out, mine = np.zeros(PIECE + 1000, np.uint8), np.zeros(PIECE + 1000, np.uint8)
+    _describe(fake, sequence=8)  # rank 1 is at another call
+    fake.slot(1, 0, np.uint8, PIECE)[...] = 9
+    fake.counters[1] = 1
+    assert _broadcast_pieces(fake, out, 1, 0) == 1 and not out.any()  # as a broadcast's reader
+    gathered = np.zeros(2 * mine.size, np.uint8)
+    assert fake.kernel.run_gather_pieces(mine, gathered, 0, 0, STAMP, 7, 0, False, 1) == 1  # as a gather's root
+    assert not gathered.any()
+
+
+def thread_ranks(comm: tcoll.Communicator) -> list[str]:
+    """Broadcasts and gathers larger than a slot between threads of one process (the kernel lets the GIL go)."""
+    return large_calls(comm, -1, -1, 12, SIZES, "broadcasts")[0] + large_calls(comm, -1, -1, 12, SIZES, "gathers")[0]
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+def test_rooted_pieces_between_thread_ranks_match_numpy() -> None:
+    results = tcoll.spawn(thread_ranks, 3, threads=True, timeout=100, transport="shm", shm_slot=SLOT)
+    assert results == [[], [], []], results

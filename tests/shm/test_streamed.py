@@ -116,7 +116,6 @@ class WideArena(FakeArena):
     SLOT = 64 << 10  # room for a streamed call
 
 
-
 def _broadcast(fake: FakeArena, buf: np.ndarray, root: int, stamp: int = STAMP, step: int = 0) -> int:
     return fake.kernel.run_broadcast(buf, root, False, step, stamp, 7, 0, False)
 

@@ -297,7 +297,8 @@ static int parse_reduction(Kernel *self, PyObject *const *args, Py_ssize_t nargs
     if (nargs != 9 + extra) {
         PyErr_SetString(PyExc_TypeError, extra ? "run_pieces(buf, dtype, op, step, stamp, sequence, spin_ns, yield, "
                                                  "want, piece, done)"
-                                               : "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want)");
+                                               : "run(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want) "
+                                                 "(run_split too)");
         return -1;
     }
     a->dtype = (int)PyLong_AsLong(args[1]);
@@ -489,7 +490,8 @@ static long step_split(Kernel *self, const RunArgs *a) {
     part_bounds(n, self->size, self->rank, &lo, &hi);
     long state = self->size > MAX_KERNEL_RANKS ? NOT_STARTED : claim_and_publish(self, a, lo * item, hi * item);
     if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) ||
-        !descriptors_agree(self, a->step) || !reduce_part(self, a->step, a->step, a->dtype, a->op, a->view.buf, a->want, n))
+        !descriptors_agree(self, a->step) ||
+        !reduce_part(self, a->step, a->step, a->dtype, a->op, a->view.buf, a->want, n))
         return state;
     publish_counter(self, a->step + 2);
     if (a->want) {
@@ -547,27 +549,35 @@ static long step_broadcast(Kernel *self, const RunArgs *a, int root, int lending
     return DONE;
 }
 
-/* run_broadcast(buf, root, lending, step, stamp, sequence, spin_ns, yield): step_broadcast on `buf` (writable off
- * root). */
-/* The arguments of run_broadcast() and run_broadcast_pieces(): 8 of them, buf and root first, the step's five
- * from args[step_at]; the buffer acquired (writable off root; release it), or -1 with the error set. */
-static int parse_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t step_at,
-                           const char *usage, RunArgs *a, int *root) {
-    if (nargs != 8) {
+/* The arguments of a rooted call: `count` of them, root at args[root_at], the step's five at args[step_at]; -1 with
+ * the error set (the buffers are the caller's to acquire). */
+static int parse_rooted(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t count, Py_ssize_t root_at,
+                        Py_ssize_t step_at, const char *usage, RunArgs *a, int *root) {
+    if (nargs != count) {
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
     }
     memset(a, 0, sizeof(*a));
-    *root = (int)PyLong_AsLong(args[1]);
+    *root = (int)PyLong_AsLong(args[root_at]);
     if (PyErr_Occurred() || parse_step(args + step_at, a) < 0) return -1;
     if (self->held < 0 || *root < 0 || *root >= self->size) {
         PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, or the root is not a rank");
         return -1;
     }
+    return 0;
+}
+
+/* The arguments of run_broadcast() and run_broadcast_pieces(): 8 of them, buf and root first, the step's five
+ * from args[step_at]; the buffer acquired (writable off root; release it), or -1 with the error set. */
+static int parse_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t step_at,
+                           const char *usage, RunArgs *a, int *root) {
+    if (parse_rooted(self, args, nargs, 8, 1, step_at, usage, a, root) < 0) return -1;
     a->want = self->rank != *root;
     return PyObject_GetBuffer(args[0], &a->view, a->want ? PyBUF_WRITABLE : PyBUF_SIMPLE);
 }
 
+/* run_broadcast(buf, root, lending, step, stamp, sequence, spin_ns, yield): step_broadcast on `buf` (writable off
+ * root). */
 static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
     int root, lending = nargs == 8 ? PyObject_IsTrue(args[2]) : 0;

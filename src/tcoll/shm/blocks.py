@@ -17,7 +17,7 @@ from ..algos.select import ARENA_COPY, ARENA_REDUCE, ARENA_SYNC
 from ..algos.topology import displacements
 from ..ops import Op
 from .arena import LENDING_STEPS, ZERO_COPY_BYTES, Arena
-from .bridge import combine_all, copy_bytes, kernel_codes, may_fail
+from .bridge import combine_all, copy_bytes, kernel_codes, may_fail, run_phases
 from .kernel_abi import kernel_module
 
 # How far the kernel's one step of a call got (its run_blocks); without the kernel, never started.
@@ -174,20 +174,17 @@ def gather(arena: Arena, send: np.ndarray, out: np.ndarray | None, counts: list[
         arena.finish_lending(total, False)
         return
     call = _GatherPieces(arena, own, None if out is None else out.view(np.uint8), nbytes, root)
-    done = 0
-    while done < call.phases:
-        done = call.run_kernel(done)
-        if done < call.phases:
-            call.run_phase(done)
-            done += 1
+    run_phases(call)
     arena.finish_lending(total, call.ref is not None)
 
 
 class _GatherPieces:
-    """A gather of more than a slot a block, in slot-sized pieces, as phases (two per piece, as the kernel's
-    streamed ones in pieces.h): 0, claim and write the piece (the others; a lender writes nothing) or publish
-    (root: done with the piece before); 1, the check of the first step, and root's copies out (a lent block
-    whole, in the first). The kernel runs as many as it can where the blocks are alike and nobody lent."""
+    """A gather in slot-sized pieces, as phases (two per piece, as the kernel's streamed ones in pieces.h).
+
+    0: claim and write the piece (the others; a lender writes nothing) or publish (root: done with the piece
+    before); 1: the check of the first step, and root's copies out (a lent block whole, in the first). The
+    kernel runs as many as it can where the blocks are alike and nobody lent.
+    """
 
     def __init__(self, arena: Arena, own: np.ndarray, out: np.ndarray | None, nbytes: list[int], root: int) -> None:
         self.arena, self.own, self.out, self.nbytes, self.root = arena, own, out, nbytes, root
@@ -208,8 +205,8 @@ class _GatherPieces:
         arena.first, arena.step = self.first, self.first + (done + 1) // 2
         return done
 
-    def run_phase(self, done: int) -> None:
-        """Phase `done` in Python (after the phases before it)."""
+    def run_phase(self, done: int) -> bool:
+        """Phase `done` in Python (after the phases before it); never the call's end (False)."""
         arena, (index, phase) = self.arena, divmod(done, 2)
         lo, me = index * self.piece, arena.rank
         if phase == 0:
@@ -221,7 +218,7 @@ class _GatherPieces:
                     mine = self.own[lo:lo + self.piece]
                     copy_bytes(arena, arena.slot(me, step)[:mine.nbytes], mine)
             arena.publish(step)
-            return
+            return False
         step = self.first + index
         if index == 0:
             arena.agree(step)
@@ -236,6 +233,7 @@ class _GatherPieces:
             assert self.out is not None
             _gather_out(arena, self.out, displacements(self.nbytes), self.nbytes, lo, self.piece, step, self.sources,
                         index == 0)
+        return False
 
 
 def _gather_out(arena: Arena, raw: np.ndarray, disp: list[int], nbytes: list[int], lo: int, piece: int, step: int,

@@ -11,7 +11,7 @@ import numpy as np
 from ..ops import OPS
 from .kernel_abi import KERNEL_DTYPES, KERNEL_OPS, kernel_module
 
-__all__ = ["kernel_codes", "combine_all", "reduce_into", "copy_bytes"]
+__all__ = ["kernel_codes", "combine_all", "reduce_into", "copy_bytes", "run_phases"]
 
 
 def kernel_codes(arena: Any, dtype: np.dtype, op: Any) -> tuple[int, int] | None:
@@ -71,3 +71,17 @@ def copy_bytes(arena: Any, dst: np.ndarray, src: np.ndarray) -> None:
         kernel_module.copy(dst, src)
     else:
         dst[...] = src
+
+
+def run_phases(call: Any) -> None:
+    """Run a call cut into phases (the kernel's loops of pieces, src/tcoll/shm/pieces.h): from each point as many
+    as the kernel goes (`call.run_kernel(done)`: how many are done), then the one it stopped at in Python
+    (`call.run_phase(done)`: True where the call went on another way and is over), until `call.phases` are done.
+    """
+    done = 0
+    while done < call.phases:
+        done = call.run_kernel(done)
+        if done < call.phases:
+            if call.run_phase(done):
+                return
+            done += 1

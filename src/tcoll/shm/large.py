@@ -17,7 +17,7 @@ import numpy as np
 from ..algos.topology import part_bounds
 from ..ops import Op
 from .arena import Arena
-from .bridge import copy_bytes, kernel_codes, may_fail, reduce_into
+from .bridge import copy_bytes, kernel_codes, may_fail, reduce_into, run_phases
 
 __all__ = ["own_part", "copy_in_but_own_part", "reduce_own_part", "copy_other_parts", "reduce_large"]
 
@@ -74,20 +74,15 @@ def reduce_large(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, root: i
     again for the rest. An all_reduce whose every rank lent its buffer goes on in place after the first step
     instead (_all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
     """
-    call = _Pieces(arena, raw, dtype, op, root, arena.lend(raw, raw.nbytes, anywhere=root is None))
-    done = 0
-    while done < call.phases:
-        done = call.run_kernel(done)
-        if done < call.phases:
-            if call.run_phase(done):
-                return  # went on in place
-            done += 1
+    run_phases(_Pieces(arena, raw, dtype, op, root, arena.lend(raw, raw.nbytes, anywhere=root is None)))
 
 
 class _Pieces:
-    """One large all_reduce / reduce in pieces of arena.piece_bytes, as phases (three per piece, pieces.h): 0, write
-    the input and publish; 1, reduce this rank's part into its slot of the result step and publish; 2, copy
-    the other ranks' parts out. Python runs any phase; the kernel runs as many as it can from one on."""
+    """One large all_reduce / reduce in pieces of arena.piece_bytes, as phases (three per piece, as pieces.h's).
+
+    0: write the input and publish; 1: reduce this rank's part into its slot of the result step and publish;
+    2: copy the other ranks' parts out. Python runs any phase; the kernel runs as many as it can from one on.
+    """
 
     def __init__(self, arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, root: int | None,
                  ref: tuple[int, int, int] | None) -> None:

@@ -2,18 +2,18 @@
  * (tcoll.shm.large.reduce_large), and of large broadcasts and gathers (tcoll.shm.vector.broadcast,
  * tcoll.shm.blocks.gather).
  *
- * A call larger than a slot goes piece by piece, two arena steps each: write all but this rank's own part of
- * the piece into its slot and publish (the input step); once every rank has, reduce this rank's part over
- * every rank's input (its own read in place) into its slot of the next step, and into its buffer there if it
- * wants the result, and publish (the result step); once every rank has, copy the other ranks' parts out. In
- * Python each piece costs a few dozen interpreter calls around its copies; here the whole loop is one call.
+ * Each loop is cut into phases, and each call returns how many phases are done: all of them, or fewer where a
+ * wait outlasts the kernel's spin, where the first step's descriptors differ, or where a peer lent its buffer
+ * (comm.empty: Python reads it in place). Python then takes the phase it stopped at, with its full waiting,
+ * liveness and error reporting, and may call again for the rest. Python and C take the same phases on the same
+ * steps, so ranks in either pair. In Python each piece cost a few dozen interpreter calls around its copies;
+ * here a whole loop is one call.
  *
- * The loop is cut into phases, three per piece (0: write and publish the input; 1: reduce and publish the
- * result; 2: copy the other parts out), and this call returns how many phases are done: all of them, or
- * fewer where a wait outlasts the kernel's spin, where the first step's descriptors differ, or where a peer
- * lent its buffer (comm.empty: Python reads it in place). Python then takes the phase it stopped at, with its
- * full waiting, liveness and error reporting, and may call again for the rest. Python and C take the same
- * phases on the same steps, so ranks in either pair (the phases of one piece are the same in both).
+ * A reduction goes piece by piece, two arena steps and three phases each: 0, write all but this rank's own part
+ * of the piece into its slot and publish (the input step); 1, once every rank has, reduce this rank's part over
+ * every rank's input (its own read in place) into its slot of the next step, and into its buffer there if it
+ * wants the result, and publish (the result step); 2, once every rank has, copy the other ranks' parts out.
+ * A broadcast or a gather goes in slot-sized pieces, one step and two phases each, streamed (rooted_phase).
  */
 
 /* Phase `phase` (0, 1 or 2) of the piece at `mine` (`len` bytes), whose input step is `step`: 1 once it is
@@ -104,8 +104,8 @@ typedef struct {
  * overlapped, where in Python it was copied in whole, then out whole. Two phases per piece: 0, claim (a
  * writer; a reader only in the first piece), describe (the first piece), and write or publish; 1, read (a
  * reader), and in the first piece the check that every rank describes the same call. 1 once done, 0 where it
- * cannot go on (a wait past the spin; a writer that describes another call or lent its buffer). The GIL is
- * let go while streaming: a reader waits there for the writer, which may be a thread of this process. */
+ * cannot go on (a wait past the spin; a writer that describes another call or lent its buffer). A reader lets
+ * the GIL go while it streams: it waits there for the writer, which may be a thread of this process. */
 static int rooted_phase(Kernel *k, const RunArgs *a, const Rooted *r, int phase, uint64_t step, int first,
                         Py_ssize_t lo, Py_ssize_t len) {
     RunArgs at = *a;
@@ -118,9 +118,9 @@ static int rooted_phase(Kernel *k, const RunArgs *a, const Rooted *r, int phase,
             publish_counter(k, step + 1);
             return 1;
         }
-        PyThreadState *saved = PyEval_SaveThread();
+        PyThreadState *saved = len >= COPY_UNLOCKED ? PyEval_SaveThread() : NULL;  /* (a writer waits for nobody) */
         stream_slot(k, &at, (const uint8_t *)a->view.buf + lo, len);
-        PyEval_RestoreThread(saved);
+        if (saved != NULL) PyEval_RestoreThread(saved);
     } else if (!writer) {
         PyThreadState *saved = PyEval_SaveThread();
         if (r->gathering) {
@@ -140,7 +140,7 @@ static int rooted_phase(Kernel *k, const RunArgs *a, const Rooted *r, int phase,
  * piece: all, or where rooted_phase could not go on). */
 static long step_rooted_pieces(Kernel *k, const RunArgs *a, const Rooted *r, Py_ssize_t piece, long done) {
     Py_ssize_t total = a->view.len;
-    long phases = 2 * (long)((total + piece - 1) / piece);
+    long phases = 2 * (total > piece ? (long)((total + piece - 1) / piece) : 1);  /* (as Python counts: one at least) */
     for (; done < phases; done++) {
         long index = done / 2;
         Py_ssize_t lo = (Py_ssize_t)index * piece, len = total - lo < piece ? total - lo : piece;
@@ -179,18 +179,13 @@ static PyObject *Kernel_run_broadcast_pieces(Kernel *self, PyObject *const *args
  * of equal blocks (`send`, this rank's, not lent; `out`: root's, a block a rank; None elsewhere) from phase
  * `done`; returns the phases done. */
 static PyObject *Kernel_run_gather_pieces(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError,
-                        "run_gather_pieces(send, out, root, step, stamp, sequence, spin_ns, yield, done)");
-        return NULL;
-    }
     RunArgs a;
-    memset(&a, 0, sizeof(a));
-    Rooted r = {(int)PyLong_AsLong(args[2]), 1, NULL, 0};
-    if (PyErr_Occurred() || parse_step(args + 3, &a) < 0) return NULL;
-    if (self->held < 0 || r.root < 0 || r.root >= self->size || (self->rank == r.root) == (args[1] == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "arena kernel: not initialised, the root is not a rank, or out is not "
-                                          "root's alone");
+    Rooted r = {0, 1, NULL, 0};
+    if (parse_rooted(self, args, nargs, 9, 2, 3, "run_gather_pieces(send, out, root, step, stamp, sequence, spin_ns, "
+                     "yield, done)", &a, &r.root) < 0)
+        return NULL;
+    if ((self->rank == r.root) == (args[1] == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "arena kernel: a gather's out is root's alone");
         return NULL;
     }
     if (PyObject_GetBuffer(args[0], &a.view, PyBUF_SIMPLE) < 0) return NULL;

@@ -32,7 +32,7 @@ from .address import PIECE_BYTES, SLOT_BYTES
 from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_module
 from . import express
 from .express import NOTHING
-from .bridge import combine_all, copy_bytes, kernel_codes, may_fail
+from .bridge import combine_all, copy_bytes, kernel_codes, may_fail, run_phases
 from .large import copy_in_but_own_part, copy_other_parts, own_part, reduce_large, reduce_own_part
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
@@ -226,49 +226,58 @@ def broadcast(arena: Arena, buf: np.ndarray, root: int) -> None:
     if ref is None and arena.kernel is not None and total <= arena.slot_bytes and \
             _broadcast_one_step(arena, raw, root):
         return
-    kernel = ref is None and arena.kernel is not None and total > arena.slot_bytes  # (only root lends)
-    first, phases, done = arena.step, 2 * max(1, -(-total // arena.slot_bytes)), 0
-    while done < phases:
-        if kernel:  # the pieces, streamed, as far as the kernel goes (pieces.h)
-            done = arena.kernel.run_broadcast_pieces(raw, root, first, arena.stamp, arena.sequence,
-                                                     arena.kernel_spin_ns, arena.kernel_yields, done)
-            arena.first, arena.step = first, first + (done + 1) // 2
-            if done == phases:
-                break
-        if _broadcast_phase(arena, raw, root, ref, first, done):
-            break  # root lent its buffer: the others copied it whole from there
-        done += 1
+    run_phases(_BroadcastPieces(arena, raw, root, ref))
     arena.finish_lending(total, ref is not None)
 
 
-def _broadcast_phase(arena: Arena, raw: np.ndarray, root: int, ref: Any, first: int, done: int) -> bool:
-    """Phase `done` of a broadcast in Python, two per slot-sized piece as the kernel's (pieces.h): 0, claim
-    (root) and write the piece (root) or publish (done with the piece before); 1, the check of the first
-    step, and the copy out of root's slot (the others). True: root lent its buffer, read whole (the call is
-    over but for finish_lending)."""
-    index, phase = divmod(done, 2)
-    me, piece = arena.rank, arena.slot_bytes
-    lo = index * piece
-    hi = min(raw.nbytes, lo + piece)
-    if phase == 0:
-        step = arena.first_step(ref) if index == 0 else arena.claim() if me == root else arena.skip()
-        if me == root and ref is None:
-            copy_bytes(arena, arena.slot(me, step)[:hi - lo], raw[lo:hi])
-        arena.publish(step)
+class _BroadcastPieces:
+    """A broadcast in slot-sized pieces, as phases (two per piece, as the kernel's streamed ones in pieces.h).
+
+    0: claim (root) and write the piece (root), or publish (done with the piece before); 1: the check of the
+    first step, and the copy out of root's slot (the others). The kernel runs as many as it can where the call
+    is larger than a slot and root did not lend.
+    """
+
+    def __init__(self, arena: Arena, raw: np.ndarray, root: int, ref: Any) -> None:
+        self.arena, self.raw, self.root, self.ref = arena, raw, root, ref
+        self.phases = 2 * max(1, -(-raw.nbytes // arena.slot_bytes))
+        self.first = arena.step
+        self.kernel = ref is None and arena.kernel is not None and raw.nbytes > arena.slot_bytes  # (only root lends)
+
+    def run_kernel(self, done: int) -> int:
+        """The phases from `done` on in the kernel, as far as it goes; how many are done (`done`: no kernel)."""
+        if not self.kernel:
+            return done
+        arena = self.arena
+        done = arena.kernel.run_broadcast_pieces(self.raw, self.root, self.first, arena.stamp, arena.sequence,
+                                                 arena.kernel_spin_ns, arena.kernel_yields, done)
+        arena.first, arena.step = self.first, self.first + (done + 1) // 2
+        return done
+
+    def run_phase(self, done: int) -> bool:
+        """Phase `done` in Python; True: root lent its buffer, read whole (over but for finish_lending)."""
+        arena, raw, root, (index, phase) = self.arena, self.raw, self.root, divmod(done, 2)
+        me, lo = arena.rank, index * arena.slot_bytes
+        hi = min(raw.nbytes, lo + arena.slot_bytes)
+        if phase == 0:
+            step = arena.first_step(self.ref) if index == 0 else arena.claim() if me == root else arena.skip()
+            if me == root and self.ref is None:
+                copy_bytes(arena, arena.slot(me, step)[:hi - lo], raw[lo:hi])
+            arena.publish(step)
+            return False
+        step = self.first + index
+        if index == 0:
+            arena.agree(step)
+            source = arena.peer_buffer(step, root) if me != root else None
+            if source is not None:
+                copy_bytes(arena, raw, source)
+            if self.ref is not None or source is not None:
+                return True
+        elif me != root:
+            arena.wait_rank(root, step)
+        if me != root:
+            copy_bytes(arena, raw[lo:hi], arena.slot(root, step)[:hi - lo])
         return False
-    step = first + index
-    if index == 0:
-        arena.agree(step)
-        source = arena.peer_buffer(step, root) if me != root else None
-        if source is not None:
-            copy_bytes(arena, raw, source)
-        if ref is not None or source is not None:
-            return True
-    elif me != root:
-        arena.wait_rank(root, step)
-    if me != root:
-        copy_bytes(arena, raw[lo:hi], arena.slot(root, step)[:hi - lo])
-    return False
 
 
 def _broadcast_one_step(arena: Arena, raw: np.ndarray, root: int) -> bool:
