@@ -45,11 +45,11 @@ __all__ = ["ONE_STEP_LIMITS", "ONE_STEP_LIMITS_SHARED", "one_step", "one_step_li
 # every slot, by the number of ranks on the host; larger, in three steps where each rank reduces 1/p. The
 # one step reads p vectors where the three read about one, but synchronises once and writes the result
 # straight into the caller's buffer, so its limit falls as ranks grow. Measured with
-# benchmarks/shm_thresholds.py (docs/performance.md): with a core per rank on the 16-core Xeon (the 2-core
-# Xeon agreed at 2 ranks); with more ranks than cores on the 2-core Xeon, where each synchronisation may
-# wait for a rank to be scheduled, and one step wins far longer. A count between two entries takes the
-# nearer one (by ratio).
-ONE_STEP_LIMITS = {2: 8 << 10, 4: 2 << 10, 8: 1 << 10, 16: 1 << 10}
+# benchmarks/shm_thresholds.py (docs/performance.md): with a core per rank on the 16-core Xeon (4-16 ranks;
+# 2 ranks on the 2-core Xeon, where the three steps in C now win from 8 KiB: 3.2 against 3.6-3.7 us); with
+# more ranks than cores on the 2-core Xeon, where each synchronisation may wait for a rank to be scheduled,
+# and one step wins far longer. A count between two entries takes the nearer one (by ratio).
+ONE_STEP_LIMITS = {2: 4 << 10, 4: 2 << 10, 8: 1 << 10, 16: 1 << 10}
 ONE_STEP_LIMITS_SHARED = {4: 8 << 10, 8: 32 << 10}  # more ranks than cores
 _limit_override: int | None = None  # set_one_step_limit (benchmarks only)
 
