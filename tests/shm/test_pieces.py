@@ -190,6 +190,25 @@ def test_pieces_that_differ_raise_on_every_rank(sizes: tuple[int, int], name: st
     assert_every_rank_raised(results, sizes)
 
 
+def differing_root_or_op(comm: tcoll.Communicator, name: str) -> tuple[str, bool]:
+    """Rank 2 names another root (or, in an all_reduce, another op) than the others; then a right call."""
+    x = np.ones(3 * SLOT // 4, np.float32)
+    odd = comm.rank == 2
+    said = mismatch_said(lambda: comm.all_reduce(x, "max" if odd else "sum", algorithm="shm") if name == "all_reduce"
+                         else getattr(comm, name)(x, 2 if odd else 0, algorithm="shm"))
+    got = comm.all_gather(np.array([comm.rank]), algorithm="shm")
+    return said, bool(np.array_equal(got.ravel(), np.arange(comm.size)))
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["all_reduce", "broadcast", "gather"])
+def test_pieces_whose_root_or_op_differs_raise_on_every_rank(name: str) -> None:
+    """(Rank 2 writes as a root where the others read from rank 0: its data must not pass for rank 0's.)"""
+    results = tcoll.spawn(differing_root_or_op, 3, (name,), timeout=50, transport="shm", shm_slot=SLOT)
+    assert_every_rank_raised(results, name)
+
+
 # -- word by word: the test plays rank 1 of 2 on FakeArena's memory (4 KiB slots, 4 KiB pieces) ----------------
 
 PIECE = FakeArena.SLOT

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..algos.registry import lookup
 from ..errors import TransportError
-from ..shm.address import ADDRESS_BYTES, agreed_piece, agreed_slot, create_segment, decode_address, encode_address, open_segment
+from ..shm.address import (ADDRESS_BYTES, agreed_piece, agreed_slot, create_segment, decode_address, encode_address,
+                           open_segment)
 from ..shm.arena import Arena
 from ..shm.heap import heap_of
 from ..shm.vector import one_step_limit

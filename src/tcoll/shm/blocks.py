@@ -188,6 +188,7 @@ class _GatherPieces:
 
     def __init__(self, arena: Arena, own: np.ndarray, out: np.ndarray | None, nbytes: list[int], root: int) -> None:
         self.arena, self.own, self.out, self.nbytes, self.root = arena, own, out, nbytes, root
+        self.disp = displacements(nbytes)
         self.piece = arena.slot_bytes  # bytes: blocks are only moved
         self.phases = 2 * _steps(nbytes, self.piece)
         self.first = arena.step
@@ -231,8 +232,7 @@ class _GatherPieces:
                     arena.wait_rank(q, step)
         if me == self.root:
             assert self.out is not None
-            _gather_out(arena, self.out, displacements(self.nbytes), self.nbytes, lo, self.piece, step, self.sources,
-                        index == 0)
+            _gather_out(arena, self.out, self.disp, self.nbytes, lo, self.piece, step, self.sources, index == 0)
         return False
 
 
