@@ -116,3 +116,36 @@ def test_a_disagreement_told_after_a_loss_on_the_same_call_is_the_error_raised()
     assert isinstance(told.poison, tcoll.MismatchError) and "all_reduce" in str(told.poison), told.poison
     told._alarm("notice", 2, tag, 9 | NOTICE, module._LOST + module._CAUSE.pack(1) + b"1:connection closed")
     assert isinstance(told.poison, tcoll.MismatchError)  # a later loss does not replace it
+
+
+class _LateEngine(_QuietEngine):
+    """A quiet engine whose polls deliver the notices queued for them, one poll's worth at a time."""
+
+    def __init__(self) -> None:
+        self.deliveries: list[list[Any]] = []
+        self.agreement: Any = None
+
+    def poll(self) -> None:
+        for notice in self.deliveries.pop(0) if self.deliveries else ():
+            self.agreement._alarm(*notice)
+
+
+def test_a_root_that_only_sent_looks_again_once_the_next_call_is_over() -> None:
+    # Rank 0 broadcast (it only sent). Its next call began before rank 1's notice came, and ran where no poll
+    # happens (the arena, in C): the notice is taken in when that call ends, and the call after it raises.
+    from tcoll.algos.stamps import NOTICE
+    from tcoll.comm import agreement as module
+    from tcoll.p2p.watch import BLOCK_BITS, NOTICE_TAG
+
+    engine = _LateEngine()
+    told = module.Agreement(engine, [0, 1, 2], 7, lambda error: None, lambda: None)  # type: ignore[arg-type]
+    engine.agreement = told
+    told.end(told.begin(1, "broadcast", 5, False), sent_only=True)
+    said = b"rank 0 called broadcast(root=0) where rank 1 called all_reduce(op=sum)"
+    notice = ("notice", 1, (1 << BLOCK_BITS) + NOTICE_TAG, 9 | NOTICE, module._MISMATCH + module._CAUSE.pack(1) + said)
+    engine.deliveries = [[], [notice]]  # nothing yet when call #2 begins; the notice by the time it ends
+    barrier = told.begin(2, "barrier", 6, True)
+    assert not told.quiet  # (no express call while it looks again)
+    told.end(barrier)
+    with pytest.raises(tcoll.MismatchError, match="broadcast"):
+        told.begin(3, "barrier", 6, True)

@@ -109,6 +109,7 @@ class Agreement:
         self.ring_sequences: list[int] = [-1] * RING
         self.ring_calls: list[tuple[str, int] | None] = [None] * RING
         self._look_first = False  # the last call only sent: look for what came back before the next one
+        self._look_after = False  # ... and once more when that next call is over (every peer took part in it)
         self._causes: deque[int] = deque(maxlen=256)  # the calls whose trouble was raised here already
         self._answers: dict[int, dict[int, tuple[bytes, int]]] = {}  # call asked about -> rank -> (where, last)
         self._failing: dict[int, Running] = {}  # recent calls failed here: a notice that comes later explains them
@@ -126,8 +127,8 @@ class Agreement:
     @property
     def quiet(self) -> bool:
         """Whether nothing here stands in the way of the next call (express calls may run)."""
-        return not (self._look_first or self.stopped is not None or self.poison is not None or self._ahead
-                    or self.watch.early)
+        return not (self._look_first or self._look_after or self.stopped is not None or self.poison is not None
+                    or self._ahead or self.watch.early)
 
     # -- a call's life ---------------------------------------------------------------
 
@@ -140,7 +141,7 @@ class Agreement:
         """
         watch = self.watch
         if self._look_first:
-            self._look_first = False
+            self._look_first, self._look_after = False, True
             self.engine.poll()  # late messages of the call before raise their alarms now
         if self.stopped is not None:  # revoked, even while the poll above ran
             raise fresh(self.stopped)
@@ -184,6 +185,9 @@ class Agreement:
             sent_only: this rank's part only sent (a root of a broadcast): what shows a disagreement
                 has not come yet, so the next call takes in what arrived meanwhile before it starts.
         """
+        if self._look_after:  # a peer that disagreed on the call before this one told so before it took part
+            self._look_after = False  # in this one: its notice is in now (the next call raises it, see _alarm)
+            self.engine.poll()
         self._look_first = sent_only
         if sent_only:
             self.gate.shut()
