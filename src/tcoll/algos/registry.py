@@ -42,7 +42,7 @@ from typing import Any
 __all__ = ["AlgorithmInfo", "Costs", "Topology", "algorithm", "REGISTRY", "COLLECTIVES", "lookup", "names"]
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
-               "reduce_scatter", "all_to_all", "barrier", "scan", "exscan", "all_to_allv")
+               "reduce_scatter", "all_to_all", "barrier", "scan", "exscan", "all_to_allv", "scatter_described")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from ..errors import MismatchError, RevokedError, TcollError, fresh
 from ..ops import OPS
 from ..p2p import timeline
 from ..p2p.engine import Engine
-from ..shm import blocks, prefix, vector  # noqa: F401 - registers the direct algorithms
+from ..shm import blocks, described, prefix, vector  # noqa: F401 - registers the direct algorithms
 from ..shm.arena import Arena
 from .agreement import ARENA_TAGS, Agreement, Running
 from .calls import Call, Prepared, Program

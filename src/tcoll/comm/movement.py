@@ -1,9 +1,10 @@
 """The collectives that move data without reducing it: broadcast, all_gather, gather, scatter, all_to_all.
 
 Each is a Communicator method: it checks its arguments, puts this rank's own
-block where it belongs, and hands the call to the dispatcher. scatter is a
-program of two steps (see `tcoll.comm.dispatch`): root's description of the
-chunks first, so that the other ranks need not pass `out`, then the chunks.
+block where it belongs, and hands the call to the dispatcher. The other ranks
+of a scatter learn what they receive from root: on one host in the call's
+first step (tcoll.shm.described), elsewhere from a program of two steps (see
+`tcoll.comm.dispatch`), root's description of the chunks, then the chunks.
 """
 
 from __future__ import annotations
@@ -149,13 +150,13 @@ def _gather(comm: Communicator, x: Any, root: int, out: Any, *, algorithm: str, 
     return _run(comm, call, async_op, x, out if comm.rank == root else None, key, reads_only=True)
 
 
-@numbered("scatter")
 def scatter(comm: Communicator, chunks: Any, root: int = 0, out: Any = None, *, algorithm: str = "auto",
             async_op: bool = False) -> Any:
     """Send chunk r of `root` to rank r.
 
-    The ranks other than root learn the chunk's shape and dtype from root
-    (a small broadcast comes first), so they need not pass `out`.
+    The ranks other than root learn the chunk's shape and dtype from root,
+    so they need not pass `out`: on one host in the call's first step
+    (tcoll.shm.described), elsewhere in a small broadcast first.
 
     Args:
         chunks: on root, an array of shape (size, ...) or a list of `size`
@@ -171,17 +172,89 @@ def scatter(comm: Communicator, chunks: Any, root: int = 0, out: Any = None, *, 
     Raises:
         ValueError: root out of range; wrong number of chunks; chunks differ in shape
             or dtype; out does not match the chunk.
-        MismatchError: (raised by wait) out does not match the chunk root sends.
+        MismatchError: out does not match the chunk root sends (raised by wait; on
+            every rank, root's raising the notice of the rank whose out it was).
     """
+    mine = chunks if comm.rank == root else out
+    if not async_op and mine is not None:  # the same arrays and arguments as a recent call (tcoll.comm.plans)
+        key = (id(chunks), id(out), "scatter", root, algorithm)
+        result = again_into(comm, key, mine, out) if comm.rank == root else again(comm, key, mine)
+        if result is not MISS:
+            return result
+    return _scatter(comm, chunks, root, out, algorithm=algorithm, async_op=async_op)
+
+
+@numbered("scatter")
+def _scatter(comm: Communicator, chunks: Any, root: int, out: Any, *, algorithm: str, async_op: bool) -> Any:
+    """scatter, checked (see scatter)."""
     check_peer(root, comm.size, "root")
     send, like = stacked_chunks(chunks, comm.size) if comm.rank == root else (None, None)
     if algorithm != "auto":  # an unknown name fails here, before anything is sent
         comm.core.dispatch.choose("scatter", algorithm, 0, blocking=not async_op)
+    if not async_op and algorithm in ("auto", "shm") and _described_direct(comm):
+        return _scatter_described(comm, chunks, send, like, root, out, algorithm)
     described = np.zeros(describe.META_BYTES, dtype=np.uint8)
     if send is not None:
         described[:] = describe.encode(like)
     head = Call("scatter", (), 0, root=root, algorithm=algorithm)
     return comm.core.dispatch.run_program(_scatter_steps(comm, send, described, root, out, algorithm), head, async_op)
+
+
+def _described_direct(comm: Communicator) -> bool:
+    """Whether a blocking scatter runs on the arena with root's description in its first step: every rank on
+    this host, and a slot that holds the description and a byte of each rank's chunk after it."""
+    dispatcher = comm.core.dispatch
+    return (comm.size > 1 and dispatcher.direct_capable()
+            and dispatcher.chooser.slot_bytes() >= describe.META_BYTES + comm.size)
+
+
+def _scatter_described(comm: Communicator, chunks: Any, send: np.ndarray | None, like: Any, root: int, out: Any,
+                       algorithm: str) -> Any:
+    """scatter in one call on the arena (tcoll.shm.described); a repeated one is remembered (the lean path)."""
+    dispatcher, key = comm.core.dispatch, (id(chunks), id(out), "scatter", root, algorithm)
+    if send is not None:  # root
+        header = describe.encode(like)
+        user_out, out_flat = _scatter_output(out, *describe.decode(header))
+        count = out_flat.size
+        send = apart(send, out_flat)
+        call = Call("scatter_described", (send.view(np.uint8), header, None, root), out_flat.nbytes, label="scatter",
+                    algorithm=algorithm, root=root, result=user_out,
+                    copies=((out_flat, send[root * count:(root + 1) * count]),))
+        return lean_run_into(dispatcher, key, chunks, call, out, reads_only=True)
+    resolve = _Resolver(out)
+    nbytes = 0 if resolve.view is None else resolve.view.nbytes
+    call = Call("scatter_described", (None, None, resolve, root), nbytes, label="scatter", algorithm=algorithm,
+                root=root, result=out)
+    if out is None:
+        dispatcher.run(call)
+        return resolve.made
+    return lean_run(dispatcher, key, out, call)
+
+
+class _Resolver:
+    """What a scatter's other rank does with root's description (tcoll.shm.described): check it against the
+    user's `out` or, without one, make the output (kept in `made`); return its flat bytes.
+
+    Attributes:
+        accepted: the last description that matched `out` (b"": none yet); the same again passes at once,
+            and an express call of the scatter expects it (tcoll.shm.express).
+    """
+
+    __slots__ = ("out", "view", "made", "accepted")
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.made, self.accepted = out, None, b""
+        self.view = None if out is None else as_array(out, writable=True, what="scatter out")
+
+    def __call__(self, header: np.ndarray) -> np.ndarray:
+        if self.view is not None and header.tobytes() == self.accepted:
+            return self.view.reshape(-1).view(np.uint8)
+        user_out, flat = _scatter_output(self.out, *describe.decode(header))
+        if self.view is None:
+            self.made = user_out
+        else:
+            self.accepted = header.tobytes()
+        return flat.view(np.uint8)
 
 
 def _scatter_steps(comm: Communicator, send: np.ndarray | None, described: np.ndarray, root: int, out: Any,

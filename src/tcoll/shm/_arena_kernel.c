@@ -604,7 +604,9 @@ static PyObject *Kernel_run_broadcast(Kernel *self, PyObject *const *args, Py_ss
  * rank q at q * share (share: the slot's bytes / size, in whole items for a reduce_scatter). What the Python
  * steps copy before the algorithm (a gather root's and an all_to_all's own block) is copied here too, so
  * that an express call (express.h) needs nothing else. */
-enum { BLOCKS_ALL_GATHER = 0, BLOCKS_GATHER = 1, BLOCKS_ALL_TO_ALL = 2, BLOCKS_REDUCE_SCATTER = 3, BLOCKS_KINDS = 4 };
+enum { BLOCKS_ALL_GATHER = 0, BLOCKS_GATHER = 1, BLOCKS_ALL_TO_ALL = 2, BLOCKS_REDUCE_SCATTER = 3, BLOCKS_SCATTER = 4,
+       BLOCKS_KINDS = 5 };
+#define DESCRIPTION_BYTES 256  /* a scatter's description of its chunks (tcoll.shm.described.DESCRIPTION_BYTES) */
 
 typedef struct {
     int kind, root;
@@ -614,6 +616,7 @@ typedef struct {
     int lending;       /* a call large enough to lend (tcoll.shm.arena.ZERO_COPY_BYTES): it ends with the lenders'
                         * step, which this rank (lending nothing itself) publishes without waiting; a peer that
                         * lent its buffer leaves the reading of it to Python */
+    const uint8_t *header;  /* a scatter's description (DESCRIPTION_BYTES): root's to write, the others' to expect */
 } Blocks;
 
 /* The share of a slot per rank for `kind` (in whole items of `dtype` for a reduce_scatter: tcoll.shm.blocks._share). */
@@ -628,6 +631,9 @@ static int blocks_fit(const Kernel *k, const Blocks *b, int dtype, Py_ssize_t se
     int gathers = b->kind == BLOCKS_ALL_GATHER || b->kind == BLOCKS_GATHER;
     int wants_out = b->kind != BLOCKS_GATHER || k->rank == b->root;
     Py_ssize_t expect_out = b->kind == BLOCKS_REDUCE_SCATTER ? n : p * n;
+    if (b->kind == BLOCKS_SCATTER)  /* root sends p blocks, the others' x is their out; all in the first share */
+        return b->header != NULL && n >= 0 && b->root >= 0 && b->root < p && out_len == n &&
+               send_len == (k->rank == b->root ? p * n : n) && n <= (k->slot_bytes - DESCRIPTION_BYTES) / p;
     if (n < 0 || b->root < 0 || b->root >= p || (wants_out && out_len != expect_out) || (!wants_out && out_len > 0))
         return 0;
     if (gathers)
@@ -690,11 +696,40 @@ static long step_gather_streamed(Kernel *self, const RunArgs *a, const Blocks *b
     return close_streamed(self, a, streamed, b->lending);
 }
 
+/* A scatter whose chunks fit the first step (tcoll.shm.described, which lays the slot out alike): root writes
+ * its description and every other rank's chunk after it (rank q's at DESCRIPTION_BYTES + q * share), copies its
+ * own, publishes; every other rank publishes at once. Once all have and agree, the others copy their chunk out
+ * if root's description is the one they expect (else Python reads it: it may differ, or not match their out);
+ * then every rank publishes the closing step and waits in it for all, so that a rank that failed fails every
+ * rank's call. How far it got: NOT_STARTED, PUBLISHED (the first step), REDUCED (the closing step published,
+ * the wait in it Python's) or DONE. */
+static long step_scatter(Kernel *self, const RunArgs *a, const Blocks *b) {
+    Py_ssize_t n = b->block, share = (self->slot_bytes - DESCRIPTION_BYTES) / self->size;
+    uint8_t *slot = slot_of(self, b->root, a->step);
+    describe_step(self, a);
+    if (self->rank == b->root) {
+        const uint8_t *send = a->view.buf;
+        memcpy(slot, b->header, DESCRIPTION_BYTES);
+        for (int q = 0; q < self->size; q++)
+            tc_copy(q == b->root ? b->out : slot + DESCRIPTION_BYTES + q * share, send + q * n, (size_t)n);
+    }
+    publish_counter(self, a->step + 1);
+    if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step)) return PUBLISHED;
+    if (self->rank != b->root) {
+        if (peer_lent(self, a->step) || memcmp(slot, b->header, DESCRIPTION_BYTES) != 0) return PUBLISHED;
+        tc_copy(b->out, slot + DESCRIPTION_BYTES + self->rank * share, (size_t)n);
+    }
+    publish_counter(self, a->step + 2);
+    return wait_all(self, a->step + 2, a->spin_ns, a->yield) ? DONE : REDUCED;
+}
+
 /* The step of `b` on an acquired send buffer: how far it got (NOT_STARTED, PUBLISHED or DONE; DONE with
  * the lenders' step published too when `b->lending`). */
 static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
     if (self->size > MAX_KERNEL_RANKS || (a->step >= 1 && !wait_all(self, a->step, a->spin_ns, a->yield)))
         return NOT_STARTED;
+    if (b->kind == BLOCKS_SCATTER)
+        return step_scatter(self, a, b);
     if (b->kind == BLOCKS_GATHER && b->block >= STREAM_FROM)
         return step_gather_streamed(self, a, b);
     int unlocked = b->block * self->size >= COPY_UNLOCKED;  /* large copies let other threads (thread ranks) run */
@@ -737,6 +772,7 @@ static PyObject *Kernel_run_blocks(Kernel *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     b.share = blocks_share(self, b.kind, a.dtype);
+    b.header = NULL;  /* (a scatter runs only as an express call: blocks_fit refuses it here) */
     Py_buffer out;
     int has_out = args[1] != Py_None;
     if (PyObject_GetBuffer(args[0], &a.view, PyBUF_SIMPLE) < 0) return NULL;
@@ -992,6 +1028,8 @@ PyMODINIT_FUNC PyInit__arena_kernel(void) {
     PyModule_AddIntConstant(m, "REDUCED", REDUCED);
     PyModule_AddIntConstant(m, "BLOCKS_ALL_GATHER", BLOCKS_ALL_GATHER);
     PyModule_AddIntConstant(m, "BLOCKS_GATHER", BLOCKS_GATHER);
+    PyModule_AddIntConstant(m, "BLOCKS_SCATTER", BLOCKS_SCATTER);
+    PyModule_AddIntConstant(m, "DESCRIPTION_BYTES", DESCRIPTION_BYTES);
     PyModule_AddIntConstant(m, "BLOCKS_ALL_TO_ALL", BLOCKS_ALL_TO_ALL);
     PyModule_AddIntConstant(m, "BLOCKS_REDUCE_SCATTER", BLOCKS_REDUCE_SCATTER);
     double forward_ns = 0.0, backward_ns = 0.0;

@@ -262,15 +262,15 @@ class Arena:
         PUBLISHED: `agree`, the copy and finish_lending are the caller's; NOT_STARTED."""
         return self.kernel_step("run_broadcast", (buf, root, lending), (), LENDING_STEPS if lending else None)
 
-    def kernel_step(self, method: str, head: tuple[Any, ...], tail: tuple[Any, ...],
+    def kernel_step(self, method: str | None, head: tuple[Any, ...], tail: tuple[Any, ...],
                     taken: dict[int, int] | None = None) -> int:
-        """Run the kernel's `method` (head, the step and the call, tail) from this step, or take the state an
-        express call of this call left; move the step on by the steps taken (`taken` by state; else one)."""
+        """Run the kernel's `method` (head, the step and the call, tail; None: none) from this step, or take the state
+        an express call of this call left; move the step on by the steps taken (`taken` by state; else one)."""
         step = self.step
         # An exception landing between the kernel's return and the next line leaves self.step behind the
         # counters; the call then fails, and a failed call makes the dispatcher open a fresh arena.
-        state = getattr(self.kernel, method)(*head, step, self.stamp, self.sequence, self.kernel_spin_ns,
-                                             self.kernel_yields, *tail) if not self.pending else self._take_pending()
+        state = self._take_pending() if self.pending else 0 if method is None else getattr(self.kernel, method)(
+            *head, step, self.stamp, self.sequence, self.kernel_spin_ns, self.kernel_yields, *tail)
         if state:
             self.step, self.first = step + (taken[state] if taken else 1), step
         return state

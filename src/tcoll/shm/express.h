@@ -118,6 +118,7 @@ typedef struct {
     PyObject *shape, *out_shape, *out_dtype;  /* ... x's shape, out's shape and dtype then (they decide the result) */
     void *out_buf;
     Py_ssize_t out_len, block;
+    uint8_t header[DESCRIPTION_BYTES];  /* a scatter's description: root writes it, the others expect it */
     uint64_t stamp_low, stamp_high, spin_ns, generation;
     unsigned long long completed;  /* calls it ran whole (tests, and whoever asks why a call was fast) */
 } Express;
@@ -178,21 +179,37 @@ static void Express_dealloc(Express *self) {
 }
 
 /* Express(gate, kernel, x, result, arena, dispatcher, watch, prepared, seqs, calls, label, stamp,
- *         dtype_code, op, want, split, spin_ns, yield, root, blocks, out, block, lending): root -1 for a
+ *         dtype_code, op, want, split, spin_ns, yield, root, blocks, out, block, lending, header): root -1 for a
  *         reduction, else a broadcast's (or a block collective's); blocks -1, or a block collective's kind
- *         (BLOCKS_*), which reads x (want 0) and writes `out`, blocks of `block` bytes (see Blocks: lending) */
+ *         (BLOCKS_*), which reads x (want 0) and writes `out`, blocks of `block` bytes (see Blocks: lending);
+ *         header: a scatter's description (DESCRIPTION_BYTES: root's, or what the others expect), else None */
 static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     (void)kwds;
     PyObject *gate, *kernel, *x, *result, *arena, *dispatcher, *watch, *prepared, *seqs, *calls, *label, *stamp;
-    PyObject *out;
+    PyObject *out, *header;
     int dtype_code, op, want, split, yield, root, blocks, lending;
     unsigned long long spin_ns;
     Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKpiiOnp", &GateType, &gate, &KernelType, &kernel, &x, &result,
+    if (!PyArg_ParseTuple(args, "O!O!OOOOOOO!O!UOiippKpiiOnpO", &GateType, &gate, &KernelType, &kernel, &x, &result,
                           &arena, &dispatcher, &watch, &prepared, &PyList_Type, &seqs, &PyList_Type, &calls, &label,
                           &stamp, &dtype_code, &op, &want, &split, &spin_ns, &yield, &root, &blocks, &out, &block,
-                          &lending))
+                          &lending, &header))
         return -1;
+    if ((blocks == BLOCKS_SCATTER) != (header != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "Express: a scatter, and only a scatter, has a header");
+        return -1;
+    }
+    if (header != Py_None) {
+        Py_buffer described;
+        if (PyObject_GetBuffer(header, &described, PyBUF_SIMPLE) < 0) return -1;
+        int whole = described.len == DESCRIPTION_BYTES;
+        if (whole) memcpy(self->header, described.buf, DESCRIPTION_BYTES);
+        PyBuffer_Release(&described);
+        if (!whole) {
+            PyErr_SetString(PyExc_ValueError, "Express: a scatter's header is DESCRIPTION_BYTES long");
+            return -1;
+        }
+    }
     int gather_off_root = blocks == BLOCKS_GATHER && root != ((Kernel *)kernel)->rank;
     if (blocks >= BLOCKS_KINDS || (blocks >= 0 && (split || want || root < 0 || (out == Py_None) != gather_off_root))) {
         PyErr_SetString(PyExc_ValueError, "Express: a block collective has one step, reads x and writes out "
@@ -223,7 +240,8 @@ static int Express_init(Express *self, PyObject *args, PyObject *kwds) {
     void *out_buf = NULL;
     Py_ssize_t out_len = -1;
     if (fits && blocks >= 0) {
-        Blocks b = {blocks, root, block, blocks_share((Kernel *)kernel, blocks, dtype_code), NULL, lending};
+        Blocks b = {blocks, root, block, blocks_share((Kernel *)kernel, blocks, dtype_code), NULL, lending,
+                    header == Py_None ? NULL : self->header};
         if (out != Py_None) {
             if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) return -1;
             out_buf = view.buf;
@@ -354,7 +372,8 @@ static int take_number(Express *self, PyObject *number, uint64_t sequence) {
  * call, the agreement's ring. */
 static int record_done(Express *self, PyObject *number, uint64_t sequence, uint64_t step) {
     int rc = -1;
-    if (set_count(self->arena, S_step, step + (self->split ? 3 : self->lending ? 2 : 1)) < 0 ||
+    int steps = self->split ? 3 : self->lending || self->blocks == BLOCKS_SCATTER ? 2 : 1;  /* (a scatter closes) */
+    if (set_count(self->arena, S_step, step + steps) < 0 ||
         set_count(self->arena, S_first, step) < 0)
         return -1;
     PyObject *current = PyTuple_Pack(2, number, self->prepared);
@@ -407,7 +426,7 @@ static PyObject *Express_run(Express *self, PyObject *x) {
     long state;
     if (self->blocks >= 0) {
         Blocks b = {self->blocks, self->root, self->block, blocks_share(kernel, self->blocks, a.dtype),
-                    has_out ? out.buf : NULL, self->lending};
+                    has_out ? out.buf : NULL, self->lending, self->header};
         state = step_blocks(kernel, &a, &b);
     } else {
         state = self->root >= 0 ? step_broadcast(kernel, &a, self->root, self->lending)

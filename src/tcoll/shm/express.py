@@ -106,6 +106,8 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     arena = dispatcher.arena
     if call.collective in _BLOCKS:
         return _build_blocks(dispatcher, prepared, x)
+    if call.collective == "scatter_described":
+        return _build_scatter(dispatcher, prepared, x)
     if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
             or info is None or not info.direct or info.name != "shm" or call.collective not in _COLLECTIVES or prepared.async_op or prepared.finishes
             or call.copies or call.staged is not None or type(x) is not np.ndarray):
@@ -132,7 +134,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     return kernel_module.Express(
         agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], want,
-        split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0, lending)
+        split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0, lending, None)
 
 
 def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
@@ -183,4 +185,37 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
         agreement.gate, arena.kernel, x, result, arena, dispatcher, agreement.watch, prepared,
         agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, codes[0], codes[1], False,
         False, arena.kernel_spin_ns, arena.kernel_yields, root, getattr(kernel_module, "BLOCKS_" + _BLOCKS[collective]),
-        out, block, lending)
+        out, block, lending, None)
+
+
+def _build_scatter(dispatcher: Any, prepared: Any, x: Any) -> Any:
+    """The express call of a blocking scatter (tcoll.shm.described) whose chunks fit its first step, or None:
+    on root, from `x` (its chunks, not lent) into its own chunk's output; elsewhere into `x` (the caller's out),
+    while root's description is the one the last call checked (its resolver's `accepted`)."""
+    from .described import DESCRIPTION_BYTES, first_share
+
+    call, info = prepared.call, prepared.info
+    arena = dispatcher.arena
+    if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
+            or info is None or info.name != "shm" or prepared.async_op or type(x) is not np.ndarray):
+        return None
+    send, header, resolve, root = call.args
+    size = arena.size
+    if send is not None:  # root: its own chunk goes to the call's output (the copy the dispatcher makes first)
+        (out, _), = call.copies
+        block = send.nbytes // size
+        if (arena.lend(send, send.nbytes) is not None or x.nbytes != send.nbytes
+                or x.__array_interface__["data"][0] != send.__array_interface__["data"][0]):
+            return None
+    else:
+        out, header = x, resolve.accepted
+        block = x.nbytes
+    if (header is None or len(header) != DESCRIPTION_BYTES or not isinstance(out, np.ndarray)
+            or block > first_share(arena.slot_bytes, size, DESCRIPTION_BYTES)):
+        return None
+    agreement = dispatcher.agreement
+    return kernel_module.Express(
+        agreement.gate, arena.kernel, x, call.result, arena, dispatcher, agreement.watch, prepared,
+        agreement.ring_sequences, agreement.ring_calls, call.label, prepared.stamp, KERNEL_DTYPES[np.dtype(np.uint8)],
+        0, False, False, arena.kernel_spin_ns, arena.kernel_yields, root, kernel_module.BLOCKS_SCATTER,
+        out, block, False, header)

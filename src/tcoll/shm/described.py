@@ -1,0 +1,163 @@
+"""A scatter in one call on the arena: root's description of the chunks travels with them.
+
+The other ranks of a scatter need not know what they receive (tcoll's
+scatter takes no `out` there), so the portable scatter is a program: a
+broadcast of root's description, then the scatter. On one host the
+description rides in the head of root's slot in the scatter's first step
+instead, the way all_to_allv's counts do (tcoll.shm.blocks): one call and
+one agreement where the program takes two of each; a repeated call runs
+whole in C (the arena kernel's step_scatter, through tcoll.shm.express).
+
+Steps (every rank takes them, alike):
+
+- first: root writes the description and the first share of every other
+  rank's chunk (`first` bytes each, after the description) and publishes; the
+  others publish at once; all agree (`Arena.agree`). Each other rank then
+  reads the description (`resolve` checks it against its `out`, or makes the
+  output: a MismatchError there is raised before it says it is done) and
+  copies its share, or its whole chunk where root lent its buffer.
+- more, while the chunks are larger than the first share: root writes a full
+  share of each chunk (`slot_bytes // size` bytes); the others copy theirs.
+- last (closing): every rank publishes that it read (or wrote) everything,
+  and waits until all have, so that a rank whose `out` did not match makes
+  every rank's call fail (its notice comes), and root's buffer may be
+  written again when the call returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..algos.registry import Costs, algorithm
+from ..algos.select import ARENA_COPY, ARENA_SYNC
+from .arena import Arena
+from .bridge import copy_bytes
+from .kernel_abi import kernel_module
+
+__all__ = ["DESCRIPTION_BYTES", "first_share", "scatter_described"]
+
+NOT_STARTED, PUBLISHED, REDUCED = ((kernel_module.NOT_STARTED, kernel_module.PUBLISHED, kernel_module.REDUCED)
+                                   if kernel_module is not None else (0, 1, 3))
+_STEPS_TAKEN = {PUBLISHED: 1, REDUCED: 2}  # by the kernel's step_scatter, by how far it got
+DESCRIPTION_BYTES = 256  # the description's width (tcoll.comm.describe.META_BYTES: a test checks they agree)
+
+
+def first_share(slot_bytes: int, size: int, width: int) -> int:
+    """Bytes of each chunk in the first step: what the slot holds after the description, split by rank."""
+    return (slot_bytes - width) // size
+
+
+def _cost(c: Costs, nbytes: int, size: int) -> float:
+    # two synchronisations; root copies p-1 chunks in, the others one each out
+    return 2 * ARENA_SYNC + 2 * (size - 1) / size * nbytes * ARENA_COPY
+
+
+@algorithm("scatter_described", "shm", cost=_cost, direct=True)
+def scatter_described(arena: Arena, send: np.ndarray | None, header: np.ndarray | None,
+                      resolve: Callable[[np.ndarray], np.ndarray] | None, root: int) -> None:
+    """Shared-memory scatter with root's description in its first step (see the module's docstring).
+
+    An express call of it (tcoll.shm.express, the kernel's step_scatter) that handed over leaves how far it
+    got in `arena.pending`: the steps go on from there.
+
+    Args:
+        send: root's chunks, flat bytes (None elsewhere); root's own chunk is the caller's to copy.
+        header: root's description of one chunk, DESCRIPTION_BYTES long (None elsewhere).
+        resolve: the other ranks' check of the description: given it (as root wrote it, read-only), it
+            returns where this rank's chunk goes (flat bytes), or raises (MismatchError).
+        root: the rank that holds the chunks.
+
+    Raises:
+        MismatchError: the ranks disagree on the call (every rank), or `resolve` raised (that rank; the
+            others raise its notice).
+    """
+    if arena.size == 1:
+        return
+    state = arena.kernel_step(None, (), (), _STEPS_TAKEN)  # where an express call of it handed over
+    if arena.rank == root:
+        assert send is not None and header is not None
+        _send(arena, send, header, state)
+    else:
+        assert resolve is not None
+        _receive(arena, resolve, root, state)
+
+
+def _send(arena: Arena, send: np.ndarray, header: np.ndarray, state: int) -> None:
+    """Root: the description and the chunks' shares, step by step (or its buffer lent); then wait for all."""
+    size, me, width = arena.size, arena.rank, DESCRIPTION_BYTES
+    block = send.size // size
+    if state == REDUCED:  # (the kernel's: the closing step published)
+        arena.wait_all(arena.step - 1)
+        return
+    ref = arena.lend(send, send.size) if state == NOT_STARTED else None  # (the kernel lends nothing)
+    step = arena.first_step(ref) if state == NOT_STARTED else arena.first
+    lo, piece, base = 0, first_share(arena.slot_bytes, size, width), width
+    while True:
+        if lo > 0 or state == NOT_STARTED:  # (else the kernel wrote and published the first step)
+            slot = arena.slot(me, step)
+            if lo == 0:
+                slot[:width] = header[:width]
+            if ref is None:
+                _put(arena, slot, base, piece, send, lo)
+            arena.publish(step)
+        if lo == 0:
+            arena.agree(step)
+        lo += piece
+        if ref is not None or lo >= block:
+            break
+        base, piece = 0, arena.slot_bytes // size
+        step = arena.claim()
+    _close(arena)
+
+
+def _put(arena: Arena, slot: np.ndarray, base: int, piece: int, send: np.ndarray, lo: int) -> None:
+    """Root: bytes [lo, lo + piece) of every other rank's chunk q into slot[base + q * piece:]."""
+    block = send.size // arena.size
+    hi = min(block, lo + piece)
+    for q in range(arena.size if hi > lo else 0):
+        if q != arena.rank:
+            copy_bytes(arena, slot[base + q * piece:base + q * piece + hi - lo], send[q * block + lo:q * block + hi])
+
+
+def _receive(arena: Arena, resolve: Callable[[np.ndarray], np.ndarray], root: int, state: int) -> None:
+    """Not root: read root's description, then this rank's chunk, step by step (or from root's lent buffer)."""
+    size, me, width = arena.size, arena.rank, DESCRIPTION_BYTES
+    if state == REDUCED:  # (the kernel's: the chunk copied, the closing step published)
+        arena.wait_all(arena.step - 1)
+        return
+    if state == NOT_STARTED:
+        step = arena.first_step()
+        arena.publish(step)
+    else:  # (the kernel's: the first step published)
+        step = arena.first
+    arena.agree(step)
+    header = arena.slot(root, step)[:width]
+    header.flags.writeable = False
+    out = resolve(header)
+    block = out.size
+    source = arena.peer_buffer(step, root)
+    if source is not None:
+        copy_bytes(arena, out, source[me * block:(me + 1) * block])
+    else:
+        lo, piece, base = 0, first_share(arena.slot_bytes, size, width), width
+        while True:
+            hi = min(block, lo + piece)
+            if hi > lo:
+                copy_bytes(arena, out[lo:hi], arena.slot(root, step)[base + me * piece:base + me * piece + hi - lo])
+            lo += piece
+            if lo >= block:
+                break
+            base, piece = 0, arena.slot_bytes // size
+            step = arena.skip()
+            arena.publish(step)
+            arena.wait_rank(root, step)
+    _close(arena)
+
+
+def _close(arena: Arena) -> None:
+    """The closing step: this rank read (or wrote) everything; wait until every rank has too."""
+    done = arena.skip()
+    arena.publish(done)
+    arena.wait_all(done)

@@ -1,0 +1,186 @@
+"""scatter on one host in one call: root's description rides in the first step's slot (tcoll.shm.described).
+
+NumPy's chunks on every rank, for 1 to 8 ranks, chunks from a byte to many
+slots (a small slot: many steps), with and without `out`, a list of chunks,
+torch tensors, a root buffer in shared memory (lent), and repeated calls run
+whole in C (the express call); an `out` that does not match root's chunks,
+and ranks that disagree on the root, are errors on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tcoll
+from tcoll.comm import describe
+from tcoll.shm.described import DESCRIPTION_BYTES
+from tcoll.shm.kernel_abi import kernel_module
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+needs_kernel = pytest.mark.skipif(kernel_module is None, reason="the arena's C kernel is not built")
+SLOT = "1024"  # bytes: 1 KiB chunks take several steps
+
+
+def _chunks(p: int, count: int, salt: int, dtype: str = "float64") -> np.ndarray:
+    return (np.arange(p * count).reshape(p, count) * 3 + salt).astype(dtype)
+
+
+def many_calls(comm: tcoll.Communicator, counts: list[int], root: int, how: str) -> list[str]:
+    """Scatters of every size in `counts` (each twice, refilled), checked against the chunks NumPy cut."""
+    p, me = comm.size, comm.rank
+    bad = []
+    for count in counts:
+        chunks = _chunks(p, count, 0)
+        out = np.empty(count) if how == "out" else None
+        for salt in range(2):
+            chunks[...] = _chunks(p, count, salt)
+            given = list(chunks) if how == "list" else chunks
+            got = comm.scatter(given if me == root else None, root, out=out)
+            if not np.array_equal(got, _chunks(p, count, salt)[me]) or (out is not None and got is not out):
+                bad.append(f"rank {me}: {count} items, call {salt}: {got!r}")
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("how", ["out", "none", "list"])
+def test_every_rank_gets_its_chunk(size: int, how: str) -> None:
+    counts = [0, 1, 7, 130, 1000]  # (float64: 1000 items are 8 KB, eight 1 KiB slots and more)
+    root = size // 2
+    results = tcoll.spawn(many_calls, size, (counts, root, how), timeout=100, transport="shm", shm_slot=SLOT)
+    assert not [line for bad in results for line in bad], results
+
+
+def test_the_description_is_the_width_the_arena_reads() -> None:
+    assert DESCRIPTION_BYTES == describe.META_BYTES
+    if kernel_module is not None:
+        assert kernel_module.DESCRIPTION_BYTES == DESCRIPTION_BYTES
+
+
+def express_calls(comm: tcoll.Communicator, count: int) -> tuple[list[str], int]:
+    """Repeated scatters into one `out` from one chunks array: NumPy's chunks every time, and the calls the
+    express call ran whole."""
+    p, me = comm.size, comm.rank
+    chunks, out = _chunks(p, count, 0, "int32"), np.empty(count, np.int32)
+    bad = []
+    for call in range(30):
+        chunks[...] = _chunks(p, count, call, "int32")
+        got = comm.scatter(chunks if me == 1 else None, 1, out=out)
+        if got is not out or not np.array_equal(out, _chunks(p, count, call, "int32")[me]):
+            bad.append(f"rank {me} call {call}")
+    entry = comm.core.dispatch.lean.get((id(chunks if me == 1 else None), id(out), "scatter", 1, "auto"))
+    return bad, getattr(getattr(entry, "express", None), "completed", 0)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size,count", [(2, 1), (2, 1000), (3, 50), (4, 1000)])
+def test_repeated_calls_run_whole_in_c(size: int, count: int) -> None:
+    results = tcoll.spawn(express_calls, size, (count,), timeout=50, transport="shm")
+    assert not [line for bad, _ in results for line in bad], results
+    # A rank later than the kernel's spin hands the call over to Python: with more ranks than cores, one rank
+    # may do so every time; on 2 ranks every rank runs calls whole.
+    done = [completed for _, completed in results]
+    assert (all if size == 2 else any)(completed > 0 for completed in done), results
+
+
+def wrong_out(comm: tcoll.Communicator, when: str) -> tuple[str, bool]:
+    """Rank 2's out does not fit root's chunks (at once, or after calls that ran express, when root's chunks
+    change shape; the others pass no out): what each rank raised, and whether the next call was right."""
+    p, me = comm.size, comm.rank
+    chunks, out = _chunks(p, 6, 0), np.empty(6)
+    other = _chunks(p, 3, 0)
+    calls = 8 if when == "after express" else 0
+    for _ in range(calls):
+        comm.scatter(chunks if me == 0 else None, out=out)
+    bad_out = np.empty(5) if when == "at once" else out  # (after express: root sends `other`, of 3 items)
+    try:
+        comm.scatter((other if calls else chunks) if me == 0 else None, out=bad_out if me == 2 else None)
+        said = "no error"
+    except tcoll.TcollError as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    after = comm.scatter(chunks if me == 0 else None)
+    return said, bool(np.array_equal(after, chunks[me]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["at once", "after express"])
+def test_an_out_that_does_not_fit_is_an_error_on_every_rank(when: str) -> None:
+    results = tcoll.spawn(wrong_out, 3, (when,), timeout=50, transport="shm")
+    for rank, (said, after_ok) in enumerate(results):
+        assert after_ok, (rank, results)
+        assert said.startswith("MismatchError") and "out has shape" in said, (rank, results)
+        assert rank == 2 or "rank 2" in said, (rank, results)
+
+
+def two_roots(comm: tcoll.Communicator) -> tuple[str, bool]:
+    """Rank 0 and rank 1 each believe the other is root: both wait for root's step unless they agree first."""
+    p, me = comm.size, comm.rank
+    chunks = _chunks(p, 4, 0)
+    root = 1 if me == 0 else 0
+    try:
+        comm.scatter(chunks if me == root else None, root)
+        said = "no error"
+    except tcoll.MismatchError as exc:
+        said = str(exc)
+    after = comm.scatter(chunks if me == 0 else None, 0)
+    return said, bool(np.array_equal(after, chunks[me]))
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_disagree_on_the_root_all_raise() -> None:
+    for rank, (said, after_ok) in enumerate(tcoll.spawn(two_roots, 3, timeout=50, transport="shm")):
+        assert "root" in said and after_ok, (rank, said)
+
+
+def lent_root(comm: tcoll.Communicator, count: int) -> list[str]:
+    """Root's chunks in shared memory (comm.empty): large calls read them in place; small ones copy."""
+    p, me = comm.size, comm.rank
+    chunks = comm.empty((p, count), np.float32)
+    bad = []
+    for salt in range(3):
+        chunks[...] = _chunks(p, count, salt, "float32")
+        got = comm.scatter(chunks if me == 0 else None)
+        if not np.array_equal(got, _chunks(p, count, salt, "float32")[me]):
+            bad.append(f"rank {me} call {salt}")
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", [3, 40_000])
+def test_a_root_buffer_in_shared_memory(count: int) -> None:
+    results = tcoll.spawn(lent_root, 3, (count,), timeout=50, transport="shm")
+    assert not [line for bad in results for line in bad], results
+
+
+def torch_chunks(comm: tcoll.Communicator) -> list[str]:
+    import torch
+
+    p, me = comm.size, comm.rank
+    chunks = torch.arange(p * 3, dtype=torch.bfloat16).reshape(p, 3)
+    got = comm.scatter(chunks if me == 0 else None)
+    into = torch.zeros(3, dtype=torch.bfloat16)
+    again = comm.scatter(chunks if me == 0 else None, out=into)
+    ok = isinstance(got, torch.Tensor) and torch.equal(got, chunks[me]) and again is into and torch.equal(into, got)
+    return [] if ok else [f"rank {me}: {got!r} {again!r}"]
+
+
+@pytest.mark.timeout(60)
+def test_torch_tensors() -> None:
+    pytest.importorskip("torch")
+    results = tcoll.spawn(torch_chunks, 3, timeout=50, transport="shm")
+    assert not [line for bad in results for line in bad], results
+
+
+def over_tcp(comm: tcoll.Communicator) -> list[Any]:
+    chunks = _chunks(comm.size, 5, 2)
+    return [comm.scatter(chunks if comm.rank == 1 else None, 1).tolist(), chunks[comm.rank].tolist()]
+
+
+@pytest.mark.timeout(60)
+def test_over_tcp_the_description_comes_first() -> None:
+    for got, want in tcoll.spawn(over_tcp, 3, timeout=50, transport="tcp"):
+        assert got == want
