@@ -19,9 +19,11 @@ Steps (every rank takes them, alike):
 - more, while the chunks are larger than the first share: root writes a full
   share of each chunk (`slot_bytes // size` bytes); the others copy theirs.
 - last (closing): every rank publishes that it read (or wrote) everything,
-  and waits until all have, so that a rank whose `out` did not match makes
-  every rank's call fail (its notice comes), and root's buffer may be
-  written again when the call returns.
+  and waits until every rank has taken root's description (has published
+  the step after the first: in a call of one step, the closing one), so that
+  a rank whose `out` did not match makes every rank's call fail (its notice
+  comes). A call of many steps thus ends without waiting for the last copies
+  out: the next call's first step waits for them before it writes.
 """
 
 from __future__ import annotations
@@ -50,14 +52,20 @@ def first_share(slot_bytes: int, size: int, width: int) -> int:
 
 
 def _cost(c: Costs, nbytes: int, size: int) -> float:
-    # two synchronisations; root copies p-1 chunks in, the others one each out
-    return 2 * ARENA_SYNC + 2 * (size - 1) / size * nbytes * ARENA_COPY
+    # `nbytes`: one chunk. A step per slot's worth, and the closing one; on the longest chain root copies the
+    # description and p-1 chunks in, a rank the description and its chunk out
+    if size == 1:
+        return 0.0
+    steps = 2 + max(0, -(-(nbytes - (1 << 20) // size) // max(1, (1 << 20) // size)))
+    return steps * ARENA_SYNC + (size * nbytes + 2 * DESCRIPTION_BYTES) * ARENA_COPY
 
 
 @algorithm("scatter_described", "shm", cost=_cost, direct=True)
 def scatter_described(arena: Arena, send: np.ndarray | None, header: np.ndarray | None,
                       resolve: Callable[[np.ndarray], np.ndarray] | None, root: int) -> None:
-    """Shared-memory scatter with root's description in its first step (see the module's docstring).
+    """Shared-memory scatter in one call: root's description of the chunks heads its first step's slot.
+
+    The steps are the module's docstring's.
 
     An express call of it (tcoll.shm.express, the kernel's step_scatter) that handed over leaves how far it
     got in `arena.pending`: the steps go on from there.
@@ -75,7 +83,8 @@ def scatter_described(arena: Arena, send: np.ndarray | None, header: np.ndarray 
     """
     if arena.size == 1:
         return
-    state = arena.kernel_step(None, (), (), _STEPS_TAKEN)  # where an express call of it handed over
+    # Where an express call of it handed over (a kernel's arena only: the recorder's, tcoll.shm.record, has none).
+    state = arena.kernel_step(None, (), (), _STEPS_TAKEN) if arena.kernel is not None else NOT_STARTED
     if arena.rank == root:
         assert send is not None and header is not None
         _send(arena, send, header, state)
@@ -92,24 +101,35 @@ def _send(arena: Arena, send: np.ndarray, header: np.ndarray, state: int) -> Non
         arena.wait_all(arena.step - 1)
         return
     ref = arena.lend(send, send.size) if state == NOT_STARTED else None  # (the kernel lends nothing)
-    step = arena.first_step(ref) if state == NOT_STARTED else arena.first
-    lo, piece, base = 0, first_share(arena.slot_bytes, size, width), width
+    step = first = arena.first_step(ref) if state == NOT_STARTED else arena.first
+    lo, piece, base = 0, _first_share(arena), width
     while True:
-        if lo > 0 or state == NOT_STARTED:  # (else the kernel wrote and published the first step)
+        if step != first or state == NOT_STARTED:  # (else the kernel wrote and published the first step)
             slot = arena.slot(me, step)
-            if lo == 0:
+            if step == first:
                 slot[:width] = header[:width]
             if ref is None:
                 _put(arena, slot, base, piece, send, lo)
             arena.publish(step)
-        if lo == 0:
+        if step == first:
             arena.agree(step)
         lo += piece
         if ref is not None or lo >= block:
             break
         base, piece = 0, arena.slot_bytes // size
         step = arena.claim()
-    _close(arena)
+    _close(arena, first)
+
+
+def _first_share(arena: Arena) -> int:
+    """Bytes of each chunk in the call's first step on `arena` (ValueError if none: the communicator's choice
+    keeps such a slot off this algorithm)."""
+    share = first_share(arena.slot_bytes, arena.size, DESCRIPTION_BYTES)
+    if share <= 0:
+        raise ValueError(f"scatter: the shared-memory slot ({arena.slot_bytes} B) cannot hold the chunks' "
+                         f"description ({DESCRIPTION_BYTES} B) and a byte of each of {arena.size} ranks; "
+                         "raise TCOLL_SHM_SLOT")
+    return share
 
 
 def _put(arena: Arena, slot: np.ndarray, base: int, piece: int, send: np.ndarray, lo: int) -> None:
@@ -128,12 +148,12 @@ def _receive(arena: Arena, resolve: Callable[[np.ndarray], np.ndarray], root: in
         arena.wait_all(arena.step - 1)
         return
     if state == NOT_STARTED:
-        step = arena.first_step()
+        step = first = arena.first_step()
         arena.publish(step)
     else:  # (the kernel's: the first step published)
-        step = arena.first
+        step = first = arena.first
     arena.agree(step)
-    header = arena.slot(root, step)[:width]
+    header = np.asarray(arena.slot(root, step)[:width])  # (a view of root's slot)
     header.flags.writeable = False
     out = resolve(header)
     block = out.size
@@ -141,7 +161,7 @@ def _receive(arena: Arena, resolve: Callable[[np.ndarray], np.ndarray], root: in
     if source is not None:
         copy_bytes(arena, out, source[me * block:(me + 1) * block])
     else:
-        lo, piece, base = 0, first_share(arena.slot_bytes, size, width), width
+        lo, piece, base = 0, _first_share(arena), width
         while True:
             hi = min(block, lo + piece)
             if hi > lo:
@@ -153,11 +173,14 @@ def _receive(arena: Arena, resolve: Callable[[np.ndarray], np.ndarray], root: in
             step = arena.skip()
             arena.publish(step)
             arena.wait_rank(root, step)
-    _close(arena)
+    _close(arena, first)
 
 
-def _close(arena: Arena) -> None:
-    """The closing step: this rank read (or wrote) everything; wait until every rank has too."""
+def _close(arena: Arena, first: int) -> None:
+    """The closing step: this rank read (or wrote) everything; wait until every rank has published the step
+    after the call's `first`, which each other rank does once it took root's description: the closing step of
+    a call of one step, else the second (a rank whose out does not fit never does). The next call's first step
+    waits for every rank's closing one before anything is written again."""
     done = arena.skip()
     arena.publish(done)
-    arena.wait_all(done)
+    arena.wait_all(first + 1)

@@ -41,7 +41,7 @@ from .vector import one_step_limit
 
 __all__ = ["RecordingArena", "SlotView", "record_direct", "HEADER_BYTES"]
 
-HEADER_BYTES = 256  # an all_to_allv header's description, before its counts (tcoll.comm.describe.META_BYTES)
+HEADER_BYTES = 256  # a description (all_to_allv's before its counts; a scatter's): tcoll.comm.describe.META_BYTES
 
 
 class SlotView:
@@ -221,6 +221,15 @@ def _all_to_allv_arguments(rank: int, size: int, count: int, dtype: np.dtype) ->
     return (header, blocks, arrived), block * size
 
 
+def _scatter_arguments(rank: int, size: int, count: int, dtype: np.dtype, root: int) -> tuple[tuple[Any, ...], int]:
+    """scatter_described of `count` elements a chunk: root's description says nothing the recording reads."""
+    block = count * dtype.itemsize
+    if rank == root:
+        return (np.empty(block * size, dtype=np.uint8), np.zeros(HEADER_BYTES, dtype=np.uint8), None, root), block
+    out = np.empty(block, dtype=np.uint8)
+    return (None, None, lambda header: out, root), block
+
+
 def record_direct(collective: str, algorithm: str, size: int, count: int = 1, *, dtype: Any = np.float32,
                   op: str | Op = "sum", root: int = 0, slot_bytes: int = 1 << 20) -> Schedule:
     """Run direct `algorithm` of `collective` on `size` recording arenas and return its checked schedule.
@@ -248,6 +257,8 @@ def record_direct(collective: str, algorithm: str, size: int, count: int = 1, *,
     for rank, arena in enumerate(arenas):
         if collective == "all_to_allv":
             args, schedule.nbytes = _all_to_allv_arguments(rank, size, count, dtype)
+        elif collective == "scatter_described":
+            args, schedule.nbytes = _scatter_arguments(rank, size, count, dtype, root)
         else:
             args, bases, schedule.nbytes = call_arguments(collective, rank, size, count, dtype, _Op(as_op(op), arena),
                                                           root)
