@@ -54,6 +54,17 @@ def test_every_rank_gets_its_chunk(size: int, how: str) -> None:
     assert not [line for bad in results for line in bad], results
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("how", ["out", "none"])
+def test_chunks_the_kernel_streams(size: int, how: str) -> None:
+    """The default slot: chunks from 32 KiB stream through root's slot in the kernel (root announces each 16 KiB),
+    up to what the first step holds; larger ones take many steps."""
+    counts = [4096, 5000, 40_000, 70_000]  # float64: 32 KiB, 40 KB, 320 KB (one step up to 3 ranks), 560 KB
+    results = tcoll.spawn(many_calls, size, (counts, size - 1, how), timeout=100, transport="shm")
+    assert not [line for bad in results for line in bad], results
+
+
 def test_the_description_is_the_width_the_arena_reads() -> None:
     assert DESCRIPTION_BYTES == describe.META_BYTES
     if kernel_module is not None:

@@ -246,6 +246,12 @@ class _Resolver:
         self.out, self.made, self.accepted = out, None, b""
         self.view = None if out is None else as_array(out, writable=True, what="scatter out")
 
+    def expected(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(the description accepted last, the out's flat bytes) for the arena's kernel, or None (none yet)."""
+        if self.view is None or not self.accepted:
+            return None
+        return np.frombuffer(self.accepted, dtype=np.uint8), self.view.reshape(-1).view(np.uint8)
+
     def __call__(self, header: np.ndarray) -> np.ndarray:
         if self.view is not None and header.tobytes() == self.accepted:
             return self.view.reshape(-1).view(np.uint8)

@@ -445,26 +445,33 @@ static int describes_mine(const Kernel *k, int rank, uint64_t step) {
 }
 
 /* As the reader: once `rank` describes the call of this step as this rank does (and lent nothing; checked only
- * where `check`: a call's first step), copy the first `len` bytes of its slot to `dst` as they are written.
+ * where `check`: a call's first step), copy `len` bytes of its slot from `at` to `dst` as they are written.
  * 0: it describes another call, or made no progress within the spin (what was copied stays; the caller
  * copies the whole again once it published). */
-static int read_stream(const Kernel *k, const RunArgs *a, int rank, uint8_t *dst, Py_ssize_t len, int check) {
+static int read_stream_at(const Kernel *k, const RunArgs *a, int rank, Py_ssize_t at, uint8_t *dst, Py_ssize_t len,
+                          int check) {
     if (!wait_written(k, rank, a->step, 0, a->spin_ns, a->yield) || (check && !describes_mine(k, rank, a->step)))
         return 0;
-    const uint8_t *slot = slot_of(k, rank, a->step);
+    const uint8_t *slot = slot_of(k, rank, a->step) + at;
     Py_ssize_t done = 0;
     while (done < len) {
         Py_ssize_t ready = written(k, rank, a->step);
-        if (ready > len) ready = len;
+        ready = ready == PY_SSIZE_T_MAX || ready - at > len ? len : ready - at;
         if (ready > done) {
             tc_copy(dst + done, slot + done, (size_t)(ready - done));
             done = ready;
-        } else if (!wait_written(k, rank, a->step, done + (len - done < STREAM_CHUNK ? len - done : STREAM_CHUNK),
+        } else if (!wait_written(k, rank, a->step,
+                                 at + done + (len - done < STREAM_CHUNK ? len - done : STREAM_CHUNK),
                                  a->spin_ns, a->yield)) {
             return 0;
         }
     }
     return 1;
+}
+
+/* read_stream_at the head of the slot: its first `len` bytes. */
+static int read_stream(const Kernel *k, const RunArgs *a, int rank, uint8_t *dst, Py_ssize_t len, int check) {
+    return read_stream_at(k, a, rank, 0, dst, len, check);
 }
 
 /* The end of a streamed step (`streamed`: this rank's part went whole): once every rank published it, every
@@ -696,28 +703,71 @@ static long step_gather_streamed(Kernel *self, const RunArgs *a, const Blocks *b
     return close_streamed(self, a, streamed, b->lending);
 }
 
+/* step_scatter's first step streamed (described, not yet published): root announces its description, then each
+ * other rank's chunk a STREAM_CHUNK at a time, on its progress line, and publishes; the others publish at once,
+ * and once root describes this call, lent nothing and wrote the description they expect, copy their chunk as it
+ * comes. Then every rank checks every descriptor. 0: Python checks, reads the description and copies (again). */
+static int scatter_streamed(Kernel *self, const RunArgs *a, const Blocks *b, Py_ssize_t share) {
+    Py_ssize_t n = b->block, at = DESCRIPTION_BYTES + self->rank * share;
+    int ok = 1;
+    PyThreadState *saved = PyEval_SaveThread();  /* (thread ranks: the others run meanwhile) */
+    if (self->rank == b->root) {
+        uint64_t *line = self->progress + (Py_ssize_t)self->rank * (PROGRESS_LINE / 8);
+        uint8_t *slot = slot_of(self, self->rank, a->step);
+        const uint8_t *send = a->view.buf;
+        __atomic_store_n(&line[1], 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&line[0], a->step + 1, __ATOMIC_RELEASE);  /* (the descriptor is visible with it) */
+        memcpy(slot, b->header, DESCRIPTION_BYTES);
+        __atomic_store_n(&line[1], DESCRIPTION_BYTES, __ATOMIC_RELEASE);
+        for (int q = 0; q < self->size; q++) {
+            uint8_t *to = slot + DESCRIPTION_BYTES + q * share;
+            for (Py_ssize_t lo = 0; q != self->rank && lo < n; lo += STREAM_CHUNK) {
+                Py_ssize_t c = n - lo < STREAM_CHUNK ? n - lo : STREAM_CHUNK;
+                tc_copy(to + lo, send + q * n + lo, (size_t)c);
+                __atomic_store_n(&line[1], (uint64_t)(DESCRIPTION_BYTES + q * share + lo + c), __ATOMIC_RELEASE);
+            }
+        }
+        publish_counter(self, a->step + 1);
+        if (b->out != NULL) tc_copy(b->out, send + self->rank * n, (size_t)n);
+    } else {
+        publish_counter(self, a->step + 1);
+        const uint8_t *slot = slot_of(self, b->root, a->step);
+        ok = wait_written(self, b->root, a->step, DESCRIPTION_BYTES, a->spin_ns, a->yield) &&
+             describes_mine(self, b->root, a->step) && memcmp(slot, b->header, DESCRIPTION_BYTES) == 0 &&
+             read_stream_at(self, a, b->root, at, b->out, n, 0);
+    }
+    PyEval_RestoreThread(saved);
+    return ok && wait_all(self, a->step + 1, a->spin_ns, a->yield) && descriptors_agree(self, a->step);
+}
+
 /* A scatter whose chunks fit the first step (tcoll.shm.described, which lays the slot out alike): root writes
  * its description and every other rank's chunk after it (rank q's at DESCRIPTION_BYTES + q * share), copies its
  * own, publishes; every other rank publishes at once. Once all have and agree, the others copy their chunk out
  * if root's description is the one they expect (else Python reads it: it may differ, or not match their out);
  * then every rank publishes the closing step and waits in it for all, so that a rank that failed fails every
- * rank's call. How far it got: NOT_STARTED, PUBLISHED (the first step), REDUCED (the closing step published,
- * the wait in it Python's) or DONE. */
+ * rank's call. From STREAM_FROM bytes a chunk the copies overlap (scatter_streamed). How far it got:
+ * NOT_STARTED, PUBLISHED (the first step), REDUCED (the closing step published, the wait in it Python's) or
+ * DONE. */
 static long step_scatter(Kernel *self, const RunArgs *a, const Blocks *b) {
     Py_ssize_t n = b->block, share = (self->slot_bytes - DESCRIPTION_BYTES) / self->size;
     uint8_t *slot = slot_of(self, b->root, a->step);
     describe_step(self, a);
-    if (self->rank == b->root) {
-        const uint8_t *send = a->view.buf;
-        memcpy(slot, b->header, DESCRIPTION_BYTES);
-        for (int q = 0; q < self->size; q++)
-            tc_copy(q == b->root ? b->out : slot + DESCRIPTION_BYTES + q * share, send + q * n, (size_t)n);
-    }
-    publish_counter(self, a->step + 1);
-    if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step)) return PUBLISHED;
-    if (self->rank != b->root) {
-        if (peer_lent(self, a->step) || memcmp(slot, b->header, DESCRIPTION_BYTES) != 0) return PUBLISHED;
-        tc_copy(b->out, slot + DESCRIPTION_BYTES + self->rank * share, (size_t)n);
+    if (n >= STREAM_FROM) {
+        if (!scatter_streamed(self, a, b, share)) return PUBLISHED;
+    } else {
+        if (self->rank == b->root) {
+            const uint8_t *send = a->view.buf;
+            memcpy(slot, b->header, DESCRIPTION_BYTES);
+            for (int q = 0; q < self->size; q++)
+                if (q != b->root || b->out != NULL)
+                    tc_copy(q == b->root ? b->out : slot + DESCRIPTION_BYTES + q * share, send + q * n, (size_t)n);
+        }
+        publish_counter(self, a->step + 1);
+        if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step)) return PUBLISHED;
+        if (self->rank != b->root) {
+            if (peer_lent(self, a->step) || memcmp(slot, b->header, DESCRIPTION_BYTES) != 0) return PUBLISHED;
+            tc_copy(b->out, slot + DESCRIPTION_BYTES + self->rank * share, (size_t)n);
+        }
     }
     publish_counter(self, a->step + 2);
     return wait_all(self, a->step + 2, a->spin_ns, a->yield) ? DONE : REDUCED;
@@ -745,6 +795,41 @@ static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
     if (!done) return PUBLISHED;
     if (b->lending) publish_counter(self, a->step + 2);  /* the lenders' step: nobody reads this rank's buffer */
     return DONE;
+}
+
+/* run_scatter(send, out, header, root, step, stamp, sequence, spin_ns, yield): step_scatter for Python's steps
+ * (tcoll.shm.described): root's chunks `send` (its own copied already: `out` None), or another rank's `out` (its
+ * `send`: None) and the description it expects; chunks that fit the first step, root's buffer not lent. */
+static PyObject *Kernel_run_scatter(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    RunArgs a;
+    int root;
+    if (parse_rooted(self, args, nargs, 9, 3, 4, "run_scatter(send, out, header, root, step, stamp, sequence, "
+                     "spin_ns, yield)", &a, &root) < 0)
+        return NULL;
+    int is_root = self->rank == root;
+    Py_buffer out, header;
+    if ((is_root ? args[1] != Py_None : args[0] != Py_None) ||
+        PyObject_GetBuffer(args[is_root ? 0 : 1], &a.view, is_root ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "run_scatter: root sends, the others receive");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &header, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&a.view); return NULL; }
+    out = a.view;  /* (the others: x is out) */
+    Blocks b = {BLOCKS_SCATTER, root, is_root ? a.view.len / self->size : a.view.len, 0,
+                is_root ? NULL : out.buf, 0, header.len == DESCRIPTION_BYTES ? header.buf : NULL};
+    long state = -1;
+    if (self->size <= MAX_KERNEL_RANKS && blocks_fit(self, &b, 0, a.view.len, b.block) &&
+        (!is_root || a.view.len == self->size * b.block)) {
+        self->busy++;
+        state = step_blocks(self, &a, &b);
+        step_over(self);
+    } else {
+        PyErr_SetString(PyExc_ValueError, "run_scatter: the chunks do not fit the first step (or the header is not "
+                                          "DESCRIPTION_BYTES long)");
+    }
+    PyBuffer_Release(&header);
+    PyBuffer_Release(&a.view);
+    return state < 0 ? NULL : PyLong_FromLong(state);
 }
 
 /* run_blocks(send, out, kind, block, root, dtype, op, lending, step, stamp, sequence, spin_ns, yield):
@@ -946,6 +1031,8 @@ static PyMethodDef Kernel_methods[] = {
      "A broadcast's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
     {"run_gather_pieces", (PyCFunction)(void (*)(void))Kernel_run_gather_pieces, METH_FASTCALL,
      "A gather's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
+    {"run_scatter", (PyCFunction)(void (*)(void))Kernel_run_scatter, METH_FASTCALL,
+     "A scatter's step and its closing one, for chunks that fit the first step (see step_scatter)."},
     {"run_blocks", (PyCFunction)(void (*)(void))Kernel_run_blocks, METH_FASTCALL,
      "An all_gather's, gather's, all_to_all's or reduce_scatter's one step (see step_blocks)."},
     {"retire", (PyCFunction)Kernel_retire, METH_NOARGS, "The arena closes: express calls no longer use it."},

@@ -29,6 +29,7 @@ Steps (every rank takes them, alike):
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,9 +41,9 @@ from .kernel_abi import kernel_module
 
 __all__ = ["DESCRIPTION_BYTES", "first_share", "scatter_described"]
 
-NOT_STARTED, PUBLISHED, REDUCED = ((kernel_module.NOT_STARTED, kernel_module.PUBLISHED, kernel_module.REDUCED)
-                                   if kernel_module is not None else (0, 1, 3))
-_STEPS_TAKEN = {PUBLISHED: 1, REDUCED: 2}  # by the kernel's step_scatter, by how far it got
+NOT_STARTED, PUBLISHED, DONE, REDUCED = ((kernel_module.NOT_STARTED, kernel_module.PUBLISHED, kernel_module.DONE,
+                                          kernel_module.REDUCED) if kernel_module is not None else (0, 1, 2, 3))
+_STEPS_TAKEN = {PUBLISHED: 1, DONE: 2, REDUCED: 2}  # by the kernel's step_scatter, by how far it got
 DESCRIPTION_BYTES = 256  # the description's width (tcoll.comm.describe.META_BYTES: a test checks they agree)
 
 
@@ -83,14 +84,33 @@ def scatter_described(arena: Arena, send: np.ndarray | None, header: np.ndarray 
     """
     if arena.size == 1:
         return
-    # Where an express call of it handed over (a kernel's arena only: the recorder's, tcoll.shm.record, has none).
-    state = arena.kernel_step(None, (), (), _STEPS_TAKEN) if arena.kernel is not None else NOT_STARTED
+    state = _in_kernel(arena, send, header, resolve, root)
+    if state == DONE:
+        return
     if arena.rank == root:
         assert send is not None and header is not None
         _send(arena, send, header, state)
     else:
         assert resolve is not None
         _receive(arena, resolve, root, state)
+
+
+def _in_kernel(arena: Arena, send: np.ndarray | None, header: np.ndarray | None, resolve: Any, root: int) -> int:
+    """The state an express call of this call handed over in, or else the kernel's step_scatter where it takes
+    the call: chunks that fit the first step, root's buffer not lent, and (the others) an `out` checked against
+    the description root sends (`resolve.expected()`); NOT_STARTED where it does not (the recorder's arena, too)."""
+    if arena.kernel is None:  # (no express call either)
+        return NOT_STARTED
+    if arena.pending:
+        return arena.kernel_step(None, (), (), _STEPS_TAKEN)
+    if send is not None:
+        fits = send.size // arena.size <= _first_share(arena) and arena.lend(send, send.size) is None
+        args = (send, None, header)
+    else:
+        expected = getattr(resolve, "expected", lambda: None)()
+        fits = expected is not None and expected[1].size <= _first_share(arena)
+        args = (None, expected[1], expected[0]) if fits else ()
+    return arena.kernel_step("run_scatter", (*args, root), (), _STEPS_TAKEN) if fits else NOT_STARTED
 
 
 def _send(arena: Arena, send: np.ndarray, header: np.ndarray, state: int) -> None:
