@@ -176,4 +176,9 @@ def explain(collective: str, nbytes: int | str, size: int | None = None, transpo
                      f"{format_seconds(seconds)}:")
         lines += [f"    {step:<64} {format_seconds(took):>10}"
                   for step, took in best.cost.plan(topology, nbytes)]  # type: ignore[attr-defined]
+    if collective == "scatter" and direct and size > 1:  # (tcoll.comm.movement: the other ranks learn the chunks there)
+        seconds, info = ranked("scatter_described", nbytes, size, costs, direct=True)[0]
+        lines.append(f"runs: scatter_described {info.name}, predicted {format_seconds(seconds)}: on one host a "
+                     "blocking scatter is one arena call with root's description of the chunks in its first step; the table "
+                     "is a scatter's across hosts or with async_op=True, after a broadcast of the description.")
     return "\n".join(lines)
