@@ -73,7 +73,7 @@ def test_the_description_is_the_width_the_arena_reads() -> None:
 
 def express_calls(comm: tcoll.Communicator, count: int) -> tuple[list[str], int]:
     """Repeated scatters into one `out` from one chunks array: NumPy's chunks every time, and the calls the
-    express call ran whole."""
+    express call ran whole (20_000 int32: 80 KB chunks, streamed in the kernel)."""
     p, me = comm.size, comm.rank
     chunks, out = _chunks(p, count, 0, "int32"), np.empty(count, np.int32)
     bad = []
@@ -88,7 +88,7 @@ def express_calls(comm: tcoll.Communicator, count: int) -> tuple[list[str], int]
 
 @needs_kernel
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("size,count", [(2, 1), (2, 1000), (3, 50), (4, 1000)])
+@pytest.mark.parametrize("size,count", [(2, 1), (2, 1000), (2, 20_000), (3, 50), (4, 1000)])
 def test_repeated_calls_run_whole_in_c(size: int, count: int) -> None:
     results = tcoll.spawn(express_calls, size, (count,), timeout=50, transport="shm")
     assert not [line for bad, _ in results for line in bad], results
@@ -127,11 +127,12 @@ def test_an_out_that_does_not_fit_is_an_error_on_every_rank(when: str) -> None:
         assert rank == 2 or "rank 2" in said, (rank, results)
 
 
-def two_roots(comm: tcoll.Communicator) -> tuple[str, bool]:
-    """Rank 0 and rank 1 each believe the other is root: both wait for root's step unless they agree first."""
+def two_roots(comm: tcoll.Communicator, how: str) -> tuple[str, bool]:
+    """Ranks that disagree on the root: each of ranks 0 and 1 believes the other is root (both wait for root's
+    step unless they agree first), or each believes it is root itself (both write)."""
     p, me = comm.size, comm.rank
     chunks = _chunks(p, 4, 0)
-    root = 1 if me == 0 else 0
+    root = (1 if me == 0 else 0) if how == "each the other" else (1 if me == 1 else 0)
     try:
         comm.scatter(chunks if me == root else None, root)
         said = "no error"
@@ -142,9 +143,59 @@ def two_roots(comm: tcoll.Communicator) -> tuple[str, bool]:
 
 
 @pytest.mark.timeout(60)
-def test_ranks_that_disagree_on_the_root_all_raise() -> None:
-    for rank, (said, after_ok) in enumerate(tcoll.spawn(two_roots, 3, timeout=50, transport="shm")):
+@pytest.mark.parametrize("how", ["each the other", "each itself"])
+def test_ranks_that_disagree_on_the_root_all_raise(how: str) -> None:
+    for rank, (said, after_ok) in enumerate(tcoll.spawn(two_roots, 3, (how,), timeout=50, transport="shm")):
         assert "root" in said and after_ok, (rank, said)
+
+
+def plans(comm: tcoll.Communicator) -> list[str]:
+    """scatter_init with `out` on every rank (and chunks on every rank, which only root's plan reads): NumPy's
+    chunks at every run, the chunks of the other ranks untouched."""
+    p, me = comm.size, comm.rank
+    chunks, out = _chunks(p, 8, 0), np.empty(8)
+    plan = comm.scatter_init(chunks, 1, out=out)
+    bad = []
+    for run in range(6):
+        chunks[...] = _chunks(p, 8, run) if me == 1 else -1.0
+        got = plan()
+        if not np.array_equal(out, _chunks(p, 8, run)[me]) or (me != 1 and not (chunks == -1.0).all()):
+            bad.append(f"rank {me} run {run}: {got!r}, chunks {chunks!r}")
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2, 3])
+def test_plans_with_out_on_every_rank(size: int) -> None:
+    results = tcoll.spawn(plans, size, timeout=50, transport="shm")
+    assert not [line for bad in results for line in bad], results
+
+
+def mismatch_in_many_steps(comm: tcoll.Communicator) -> tuple[str, bool]:
+    """A 1 KiB slot: chunks of 4 KB take many steps; rank 2's out is one item short."""
+    p, me = comm.size, comm.rank
+    chunks = _chunks(p, 500, 1)
+    try:
+        comm.scatter(chunks if me == 0 else None, out=np.empty(499) if me == 2 else None)
+        said = "no error"
+    except tcoll.TcollError as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    return said, bool(np.array_equal(comm.scatter(chunks if me == 0 else None), chunks[me]))
+
+
+@pytest.mark.timeout(60)
+def test_an_out_that_does_not_fit_a_call_of_many_steps() -> None:
+    results = tcoll.spawn(mismatch_in_many_steps, 3, timeout=50, transport="shm", shm_slot=SLOT)
+    for rank, (said, after_ok) in enumerate(results):
+        assert after_ok and said.startswith("MismatchError") and "out has shape" in said, (rank, results)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("counts", [[3, 20_000], [1000]])
+def test_thread_ranks(counts: list[int]) -> None:
+    """Ranks that are threads of one process (the kernel lets the others run while it copies and waits)."""
+    results = tcoll.spawn(many_calls, 3, (counts, 1, "out"), threads=True, timeout=50)
+    assert not [line for bad in results for line in bad], results
 
 
 def lent_root(comm: tcoll.Communicator, count: int) -> list[str]:

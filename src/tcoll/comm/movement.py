@@ -202,9 +202,10 @@ def _scatter(comm: Communicator, chunks: Any, root: int, out: Any, *, algorithm:
 
 def _described_direct(comm: Communicator) -> bool:
     """Whether a blocking scatter runs on the arena with root's description in its first step: every rank on
-    this host, and a slot that holds the description and a byte of each rank's chunk after it."""
+    this host, a slot that holds the description and a byte of each rank's chunk after it, and no other
+    algorithm forced for scatter (TCOLL_ALGO)."""
     dispatcher = comm.core.dispatch
-    return (comm.size > 1 and dispatcher.direct_capable()
+    return (comm.size > 1 and dispatcher.chooser.forced("scatter") in (None, "shm") and dispatcher.direct_capable()
             and dispatcher.chooser.slot_bytes() >= describe.META_BYTES + comm.size)
 
 
@@ -217,13 +218,13 @@ def _scatter_described(comm: Communicator, chunks: Any, send: np.ndarray | None,
         user_out, out_flat = _scatter_output(out, *describe.decode(header))
         count = out_flat.size
         send = apart(send, out_flat)
-        call = Call("scatter_described", (send.view(np.uint8), header, None, root), out_flat.nbytes, label="scatter",
-                    algorithm=algorithm, root=root, result=user_out,
-                    copies=((out_flat, send[root * count:(root + 1) * count]),))
+        own = (out_flat.view(np.uint8), send[root * count:(root + 1) * count].view(np.uint8))  # (copied last)
+        call = Call("scatter_described", (send.view(np.uint8), header, None, root, own), out_flat.nbytes,
+                    label="scatter", algorithm=algorithm, root=root, result=user_out)
         return lean_run_into(dispatcher, key, chunks, call, out, reads_only=True)
     resolve = _Resolver(out)
     nbytes = 0 if resolve.view is None else resolve.view.nbytes
-    call = Call("scatter_described", (None, None, resolve, root), nbytes, label="scatter", algorithm=algorithm,
+    call = Call("scatter_described", (None, None, resolve, root, None), nbytes, label="scatter", algorithm=algorithm,
                 root=root, result=out)
     if out is None:
         dispatcher.run(call)

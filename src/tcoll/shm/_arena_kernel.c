@@ -703,6 +703,31 @@ static long step_gather_streamed(Kernel *self, const RunArgs *a, const Blocks *b
     return close_streamed(self, a, streamed, b->lending);
 }
 
+/* A scatter's root in one step: write bytes [lo, lo + piece) of every other rank's chunk (`n` bytes each, in
+ * `send`) into its slot of `step` at base + q * piece, after the description (`header`, at the head, where not
+ * NULL), a STREAM_CHUNK at a time, announcing each on its progress line; then publish the step. */
+static void stream_shares(const Kernel *k, uint64_t step, const uint8_t *send, Py_ssize_t n, Py_ssize_t base,
+                          Py_ssize_t piece, Py_ssize_t lo, const uint8_t *header) {
+    uint64_t *line = k->progress + (Py_ssize_t)k->rank * (PROGRESS_LINE / 8);
+    uint8_t *slot = slot_of(k, k->rank, step);
+    Py_ssize_t hi = n < lo + piece ? n : lo + piece;
+    __atomic_store_n(&line[1], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&line[0], step + 1, __ATOMIC_RELEASE);  /* (the descriptor is visible with it) */
+    if (header != NULL) {
+        memcpy(slot, header, DESCRIPTION_BYTES);
+        __atomic_store_n(&line[1], DESCRIPTION_BYTES, __ATOMIC_RELEASE);
+    }
+    for (int q = 0; q < k->size; q++) {
+        uint8_t *to = slot + base + q * piece;
+        for (Py_ssize_t at = lo; q != k->rank && at < hi; at += STREAM_CHUNK) {
+            Py_ssize_t c = hi - at < STREAM_CHUNK ? hi - at : STREAM_CHUNK;
+            tc_copy(to + at - lo, send + q * n + at, (size_t)c);
+            __atomic_store_n(&line[1], (uint64_t)(base + q * piece + at - lo + c), __ATOMIC_RELEASE);
+        }
+    }
+    publish_counter(k, step + 1);
+}
+
 /* step_scatter's first step streamed (described, not yet published): root announces its description, then each
  * other rank's chunk a STREAM_CHUNK at a time, on its progress line, and publishes; the others publish at once,
  * and once root describes this call, lent nothing and wrote the description they expect, copy their chunk as it
@@ -712,22 +737,8 @@ static int scatter_streamed(Kernel *self, const RunArgs *a, const Blocks *b, Py_
     int ok = 1;
     PyThreadState *saved = PyEval_SaveThread();  /* (thread ranks: the others run meanwhile) */
     if (self->rank == b->root) {
-        uint64_t *line = self->progress + (Py_ssize_t)self->rank * (PROGRESS_LINE / 8);
-        uint8_t *slot = slot_of(self, self->rank, a->step);
         const uint8_t *send = a->view.buf;
-        __atomic_store_n(&line[1], 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&line[0], a->step + 1, __ATOMIC_RELEASE);  /* (the descriptor is visible with it) */
-        memcpy(slot, b->header, DESCRIPTION_BYTES);
-        __atomic_store_n(&line[1], DESCRIPTION_BYTES, __ATOMIC_RELEASE);
-        for (int q = 0; q < self->size; q++) {
-            uint8_t *to = slot + DESCRIPTION_BYTES + q * share;
-            for (Py_ssize_t lo = 0; q != self->rank && lo < n; lo += STREAM_CHUNK) {
-                Py_ssize_t c = n - lo < STREAM_CHUNK ? n - lo : STREAM_CHUNK;
-                tc_copy(to + lo, send + q * n + lo, (size_t)c);
-                __atomic_store_n(&line[1], (uint64_t)(DESCRIPTION_BYTES + q * share + lo + c), __ATOMIC_RELEASE);
-            }
-        }
-        publish_counter(self, a->step + 1);
+        stream_shares(self, a->step, send, n, DESCRIPTION_BYTES, share, 0, b->header);
         if (b->out != NULL) tc_copy(b->out, send + self->rank * n, (size_t)n);
     } else {
         publish_counter(self, a->step + 1);
@@ -757,10 +768,12 @@ static long step_scatter(Kernel *self, const RunArgs *a, const Blocks *b) {
     } else {
         if (self->rank == b->root) {
             const uint8_t *send = a->view.buf;
+            PyThreadState *saved = n * self->size >= COPY_UNLOCKED ? PyEval_SaveThread() : NULL;  /* (thread ranks) */
             memcpy(slot, b->header, DESCRIPTION_BYTES);
             for (int q = 0; q < self->size; q++)
                 if (q != b->root || b->out != NULL)
                     tc_copy(q == b->root ? b->out : slot + DESCRIPTION_BYTES + q * share, send + q * n, (size_t)n);
+            if (saved != NULL) PyEval_RestoreThread(saved);
         }
         publish_counter(self, a->step + 1);
         if (!wait_all(self, a->step + 1, a->spin_ns, a->yield) || !descriptors_agree(self, a->step)) return PUBLISHED;
@@ -798,38 +811,141 @@ static long step_blocks(Kernel *self, const RunArgs *a, const Blocks *b) {
 }
 
 /* run_scatter(send, out, header, root, step, stamp, sequence, spin_ns, yield): step_scatter for Python's steps
- * (tcoll.shm.described): root's chunks `send` (its own copied already: `out` None), or another rank's `out` (its
- * `send`: None) and the description it expects; chunks that fit the first step, root's buffer not lent. */
+ * (tcoll.shm.described): root's chunks `send` and where its own goes (`out`; None: copied already), or another
+ * rank's `out` (`send` None) and the description it expects; chunks that fit the first step, root's buffer not
+ * lent. */
 static PyObject *Kernel_run_scatter(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
     RunArgs a;
     int root;
     if (parse_rooted(self, args, nargs, 9, 3, 4, "run_scatter(send, out, header, root, step, stamp, sequence, "
                      "spin_ns, yield)", &a, &root) < 0)
         return NULL;
-    int is_root = self->rank == root;
-    Py_buffer out, header;
-    if ((is_root ? args[1] != Py_None : args[0] != Py_None) ||
-        PyObject_GetBuffer(args[is_root ? 0 : 1], &a.view, is_root ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "run_scatter: root sends, the others receive");
+    int is_root = self->rank == root, has_out = args[1] != Py_None;
+    if (is_root != (args[0] != Py_None) || (!is_root && !has_out)) {
+        PyErr_SetString(PyExc_ValueError, "run_scatter: root sends, the others receive into their out");
         return NULL;
     }
-    if (PyObject_GetBuffer(args[2], &header, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&a.view); return NULL; }
-    out = a.view;  /* (the others: x is out) */
-    Blocks b = {BLOCKS_SCATTER, root, is_root ? a.view.len / self->size : a.view.len, 0,
-                is_root ? NULL : out.buf, 0, header.len == DESCRIPTION_BYTES ? header.buf : NULL};
+    Py_buffer out, header;
+    if (PyObject_GetBuffer(args[is_root ? 0 : 1], &a.view, is_root ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0) return NULL;
+    if (is_root && has_out && PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&a.view);
+        return NULL;
+    }
+    if (!is_root) out = a.view;  /* (the others: x is out) */
+    if (PyObject_GetBuffer(args[2], &header, PyBUF_SIMPLE) < 0) {
+        if (is_root && has_out) PyBuffer_Release(&out);
+        PyBuffer_Release(&a.view);
+        return NULL;
+    }
+    Py_ssize_t n = is_root ? a.view.len / self->size : a.view.len;
+    Blocks b = {BLOCKS_SCATTER, root, n, 0, has_out ? out.buf : NULL, 0,
+                header.len == DESCRIPTION_BYTES ? header.buf : NULL};
     long state = -1;
-    if (self->size <= MAX_KERNEL_RANKS && blocks_fit(self, &b, 0, a.view.len, b.block) &&
-        (!is_root || a.view.len == self->size * b.block)) {
+    if (blocks_fit(self, &b, 0, a.view.len, n) && (!has_out || out.len == n)) {
         self->busy++;
-        state = step_blocks(self, &a, &b);
+        state = step_blocks(self, &a, &b);  /* (NOT_STARTED beyond MAX_KERNEL_RANKS: Python's steps) */
         step_over(self);
     } else {
-        PyErr_SetString(PyExc_ValueError, "run_scatter: the chunks do not fit the first step (or the header is not "
-                                          "DESCRIPTION_BYTES long)");
+        PyErr_SetString(PyExc_ValueError, "run_scatter: the chunks do not fit the first step, the output does not "
+                                          "fit a chunk, or the header is not DESCRIPTION_BYTES long");
     }
     PyBuffer_Release(&header);
+    if (is_root && has_out) PyBuffer_Release(&out);
     PyBuffer_Release(&a.view);
     return state < 0 ? NULL : PyLong_FromLong(state);
+}
+
+/* A description argument: None (NULL), or DESCRIPTION_BYTES acquired into `view` (release it); -1 with the
+ * error set. */
+static int get_header(PyObject *arg, Py_buffer *view, const uint8_t **header) {
+    *header = NULL;
+    if (arg == Py_None) return 0;
+    if (PyObject_GetBuffer(arg, view, PyBUF_SIMPLE) < 0) return -1;
+    if (view->len != DESCRIPTION_BYTES) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "a scatter's description is DESCRIPTION_BYTES long");
+        return -1;
+    }
+    *header = view->buf;
+    return 0;
+}
+
+/* scatter_write(send, step, lo, piece, header): a scatter's root in Python's steps (tcoll.shm.described): bytes
+ * [lo, lo + piece) of every other rank's chunk into its slot of `step`, after `header` (the first step's; None in
+ * the others), streamed (stream_shares), and publish the step. */
+static PyObject *Kernel_scatter_write(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "scatter_write(send, step, lo, piece, header)");
+        return NULL;
+    }
+    uint64_t step = PyLong_AsUnsignedLongLong(args[1]);
+    Py_ssize_t lo = PyLong_AsSsize_t(args[2]), piece = PyLong_AsSsize_t(args[3]);
+    Py_buffer send, described;
+    const uint8_t *header;
+    if (PyErr_Occurred() || get_header(args[4], &described, &header) < 0) return NULL;
+    Py_ssize_t base = header != NULL ? DESCRIPTION_BYTES : 0;
+    if (PyObject_GetBuffer(args[0], &send, PyBUF_SIMPLE) < 0) {
+        if (header != NULL) PyBuffer_Release(&described);
+        return NULL;
+    }
+    Py_ssize_t n = send.len / self->size;
+    int fits = self->held >= 0 && lo >= 0 && piece >= 1 && base + piece * self->size <= self->slot_bytes &&
+               n * self->size == send.len;
+    if (fits) {
+        self->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        stream_shares(self, step, send.buf, n, base, piece, lo, header);
+        Py_END_ALLOW_THREADS
+        step_over(self);
+    } else {
+        PyErr_SetString(PyExc_ValueError, "scatter_write: not initialised, or the shares do not fit a slot");
+    }
+    if (header != NULL) PyBuffer_Release(&described);
+    PyBuffer_Release(&send);
+    if (!fits) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* scatter_read(out, root, step, at, spin_ns, yield, header): a scatter's other rank in Python's steps: copy
+ * `out`'s length of root's slot of `step` from `at` as root's stream announces it; in the first step (`header`:
+ * the description this rank expects, else None), only once root describes this call, lent nothing and wrote
+ * that description. Whether it all came within the spin (else the caller waits for root's step, reads the
+ * description and copies). */
+static PyObject *Kernel_scatter_read(Kernel *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "scatter_read(out, root, step, at, spin_ns, yield, header)");
+        return NULL;
+    }
+    RunArgs a;
+    memset(&a, 0, sizeof(a));
+    int root = (int)PyLong_AsLong(args[1]);
+    a.step = PyLong_AsUnsignedLongLong(args[2]);
+    Py_ssize_t at = PyLong_AsSsize_t(args[3]);
+    a.spin_ns = PyLong_AsUnsignedLongLong(args[4]);
+    a.yield = PyObject_IsTrue(args[5]);
+    Py_buffer described;
+    const uint8_t *header;
+    if (PyErr_Occurred() || get_header(args[6], &described, &header) < 0) return NULL;
+    if (PyObject_GetBuffer(args[0], &a.view, PyBUF_WRITABLE) < 0) {
+        if (header != NULL) PyBuffer_Release(&described);
+        return NULL;
+    }
+    int done = -1;
+    if (self->held >= 0 && root >= 0 && root < self->size && at >= 0 && at + a.view.len <= self->slot_bytes) {
+        const uint8_t *slot = slot_of(self, root, a.step);
+        self->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        done = (header == NULL || (wait_written(self, root, a.step, DESCRIPTION_BYTES, a.spin_ns, a.yield) &&
+                                   describes_mine(self, root, a.step) && memcmp(slot, header, DESCRIPTION_BYTES) == 0))
+               && read_stream_at(self, &a, root, at, a.view.buf, a.view.len, 0);
+        Py_END_ALLOW_THREADS
+        step_over(self);
+    } else {
+        PyErr_SetString(PyExc_ValueError, "scatter_read: not initialised, no such root, or past the slot");
+    }
+    if (header != NULL) PyBuffer_Release(&described);
+    PyBuffer_Release(&a.view);
+    return done < 0 ? NULL : PyBool_FromLong(done);
 }
 
 /* run_blocks(send, out, kind, block, root, dtype, op, lending, step, stamp, sequence, spin_ns, yield):
@@ -1031,6 +1147,10 @@ static PyMethodDef Kernel_methods[] = {
      "A broadcast's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
     {"run_gather_pieces", (PyCFunction)(void (*)(void))Kernel_run_gather_pieces, METH_FASTCALL,
      "A gather's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
+    {"scatter_write", (PyCFunction)(void (*)(void))Kernel_scatter_write, METH_FASTCALL,
+     "A scatter root's step after its first, streamed (see stream_shares)."},
+    {"scatter_read", (PyCFunction)(void (*)(void))Kernel_scatter_read, METH_FASTCALL,
+     "A scatter's other rank, in a step after its first: its share as root streams it (see read_stream_at)."},
     {"run_scatter", (PyCFunction)(void (*)(void))Kernel_run_scatter, METH_FASTCALL,
      "A scatter's step and its closing one, for chunks that fit the first step (see step_scatter)."},
     {"run_blocks", (PyCFunction)(void (*)(void))Kernel_run_blocks, METH_FASTCALL,

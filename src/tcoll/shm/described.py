@@ -63,7 +63,8 @@ def _cost(c: Costs, nbytes: int, size: int) -> float:
 
 @algorithm("scatter_described", "shm", cost=_cost, direct=True)
 def scatter_described(arena: Arena, send: np.ndarray | None, header: np.ndarray | None,
-                      resolve: Callable[[np.ndarray], np.ndarray] | None, root: int) -> None:
+                      resolve: Callable[[np.ndarray], np.ndarray] | None, root: int,
+                      own: tuple[np.ndarray, np.ndarray] | None) -> None:
     """Shared-memory scatter in one call: root's description of the chunks heads its first step's slot.
 
     The steps are the module's docstring's.
@@ -72,30 +73,35 @@ def scatter_described(arena: Arena, send: np.ndarray | None, header: np.ndarray 
     got in `arena.pending`: the steps go on from there.
 
     Args:
-        send: root's chunks, flat bytes (None elsewhere); root's own chunk is the caller's to copy.
+        send: root's chunks, flat bytes (None elsewhere).
         header: root's description of one chunk, DESCRIPTION_BYTES long (None elsewhere).
         resolve: the other ranks' check of the description: given it (as root wrote it, read-only), it
             returns where this rank's chunk goes (flat bytes), or raises (MismatchError).
         root: the rank that holds the chunks.
+        own: root's (output, own chunk), flat bytes, copied once the others' shares are out (None elsewhere,
+            or nothing to copy).
 
     Raises:
         MismatchError: the ranks disagree on the call (every rank), or `resolve` raised (that rank; the
             others raise its notice).
     """
     if arena.size == 1:
+        if own is not None:
+            copy_bytes(arena, *own)
         return
-    state = _in_kernel(arena, send, header, resolve, root)
+    state = _in_kernel(arena, send, header, resolve, root, own)
     if state == DONE:
         return
     if arena.rank == root:
         assert send is not None and header is not None
-        _send(arena, send, header, state)
+        _send(arena, send, header, state, own)
     else:
         assert resolve is not None
         _receive(arena, resolve, root, state)
 
 
-def _in_kernel(arena: Arena, send: np.ndarray | None, header: np.ndarray | None, resolve: Any, root: int) -> int:
+def _in_kernel(arena: Arena, send: np.ndarray | None, header: np.ndarray | None, resolve: Any, root: int,
+               own: tuple[np.ndarray, np.ndarray] | None) -> int:
     """The state an express call of this call handed over in, or else the kernel's step_scatter where it takes
     the call: chunks that fit the first step, root's buffer not lent, and (the others) an `out` checked against
     the description root sends (`resolve.expected()`); NOT_STARTED where it does not (the recorder's arena, too)."""
@@ -105,7 +111,7 @@ def _in_kernel(arena: Arena, send: np.ndarray | None, header: np.ndarray | None,
         return arena.kernel_step(None, (), (), _STEPS_TAKEN)
     if send is not None:
         fits = send.size // arena.size <= _first_share(arena) and arena.lend(send, send.size) is None
-        args = (send, None, header)
+        args = (send, None if own is None else own[0], header)
     else:
         expected = getattr(resolve, "expected", lambda: None)()
         fits = expected is not None and expected[1].size <= _first_share(arena)
@@ -113,31 +119,38 @@ def _in_kernel(arena: Arena, send: np.ndarray | None, header: np.ndarray | None,
     return arena.kernel_step("run_scatter", (*args, root), (), _STEPS_TAKEN) if fits else NOT_STARTED
 
 
-def _send(arena: Arena, send: np.ndarray, header: np.ndarray, state: int) -> None:
-    """Root: the description and the chunks' shares, step by step (or its buffer lent); then wait for all."""
-    size, me, width = arena.size, arena.rank, DESCRIPTION_BYTES
-    block = send.size // size
+def _send(arena: Arena, send: np.ndarray, header: np.ndarray, state: int,
+          own: tuple[np.ndarray, np.ndarray] | None) -> None:
+    """Root: the description and the chunks' shares, step by step (or its buffer lent), its own chunk (the others
+    copy theirs meanwhile); then the closing step."""
+    me, width = arena.rank, DESCRIPTION_BYTES
+    block = send.size // arena.size
     if state == REDUCED:  # (the kernel's: the closing step published)
         arena.wait_all(arena.step - 1)
         return
     ref = arena.lend(send, send.size) if state == NOT_STARTED else None  # (the kernel lends nothing)
-    step = first = arena.first_step(ref) if state == NOT_STARTED else arena.first
-    lo, piece, base = 0, _first_share(arena), width
-    while True:
-        if step != first or state == NOT_STARTED:  # (else the kernel wrote and published the first step)
-            slot = arena.slot(me, step)
-            if step == first:
-                slot[:width] = header[:width]
-            if ref is None:
-                _put(arena, slot, base, piece, send, lo)
-            arena.publish(step)
-        if step == first:
-            arena.agree(step)
-        lo += piece
-        if ref is not None or lo >= block:
-            break
-        base, piece = 0, arena.slot_bytes // size
+    first = arena.first_step(ref) if state == NOT_STARTED else arena.first
+    share, piece = _first_share(arena), arena.slot_bytes // arena.size
+    if state == NOT_STARTED and ref is None and arena.kernel is not None:  # streamed (as the steps after it)
+        arena.kernel.scatter_write(send, first, 0, share, header)
+    elif state == NOT_STARTED:  # (else the kernel wrote and published the first step)
+        slot = arena.slot(me, first)
+        slot[:width] = header[:width]
+        if ref is None:
+            _put(arena, slot, width, share, send, 0)
+        arena.publish(first)
+    arena.agree(first)
+    lo = share
+    while ref is None and lo < block:
         step = arena.claim()
+        if arena.kernel is not None:  # streamed: each rank copies its share as it comes
+            arena.kernel.scatter_write(send, step, lo, piece, None)
+        else:
+            _put(arena, arena.slot(me, step), 0, piece, send, lo)
+            arena.publish(step)
+        lo += piece
+    if own is not None:
+        copy_bytes(arena, *own)
     _close(arena, first)
 
 
@@ -163,37 +176,56 @@ def _put(arena: Arena, slot: np.ndarray, base: int, piece: int, send: np.ndarray
 
 def _receive(arena: Arena, resolve: Callable[[np.ndarray], np.ndarray], root: int, state: int) -> None:
     """Not root: read root's description, then this rank's chunk, step by step (or from root's lent buffer)."""
-    size, me, width = arena.size, arena.rank, DESCRIPTION_BYTES
+    me, width = arena.rank, DESCRIPTION_BYTES
     if state == REDUCED:  # (the kernel's: the chunk copied, the closing step published)
         arena.wait_all(arena.step - 1)
         return
+    share, piece = _first_share(arena), arena.slot_bytes // arena.size
+    streamed = False
     if state == NOT_STARTED:
-        step = first = arena.first_step()
-        arena.publish(step)
+        first = arena.first_step()
+        arena.publish(first)
+        streamed = _first_streamed(arena, resolve, root, first, share)
     else:  # (the kernel's: the first step published)
-        step = first = arena.first
-    arena.agree(step)
-    header = np.asarray(arena.slot(root, step)[:width])  # (a view of root's slot)
-    header.flags.writeable = False
-    out = resolve(header)
+        first = arena.first
+    arena.agree(first)
+    if streamed:
+        out = resolve.expected()[1]  # type: ignore[attr-defined]
+    else:
+        header = np.asarray(arena.slot(root, first)[:width])  # (a view of root's slot)
+        header.flags.writeable = False
+        out = resolve(header)
     block = out.size
-    source = arena.peer_buffer(step, root)
+    source = arena.peer_buffer(first, root)
     if source is not None:
         copy_bytes(arena, out, source[me * block:(me + 1) * block])
-    else:
-        lo, piece, base = 0, _first_share(arena), width
-        while True:
-            hi = min(block, lo + piece)
-            if hi > lo:
-                copy_bytes(arena, out[lo:hi], arena.slot(root, step)[base + me * piece:base + me * piece + hi - lo])
-            lo += piece
-            if lo >= block:
-                break
-            base, piece = 0, arena.slot_bytes // size
-            step = arena.skip()
-            arena.publish(step)
-            arena.wait_rank(root, step)
+        _close(arena, first)
+        return
+    if block and not streamed:
+        at, hi = width + me * share, min(block, share)
+        copy_bytes(arena, out[:hi], arena.slot(root, first)[at:at + hi])
+    lo = share
+    while lo < block:
+        hi = min(block, lo + piece)
+        step = arena.skip()
+        arena.publish(step)
+        if arena.kernel is None or not arena.kernel.scatter_read(out[lo:hi], root, step, me * piece,
+                                                                 arena.kernel_spin_ns, arena.kernel_yields, None):
+            arena.wait_rank(root, step)  # (root's stream did not come within the kernel's spin: copy it whole)
+            copy_bytes(arena, out[lo:hi], arena.slot(root, step)[me * piece:me * piece + hi - lo])
+        lo += piece
     _close(arena, first)
+
+
+def _first_streamed(arena: Arena, resolve: Any, root: int, first: int, share: int) -> bool:
+    """Whether this rank's share of the first step came streamed (the kernel's scatter_read): where its `out` was
+    checked against a description before (`resolve.expected()`), once root wrote that one."""
+    expected = getattr(resolve, "expected", lambda: None)() if arena.kernel is not None else None
+    if expected is None:
+        return False
+    header, out = expected
+    return bool(arena.kernel.scatter_read(out[:min(out.size, share)], root, first, DESCRIPTION_BYTES + arena.rank * share,
+                                          arena.kernel_spin_ns, arena.kernel_yields, header))
 
 
 def _close(arena: Arena, first: int) -> None:

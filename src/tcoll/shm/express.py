@@ -199,15 +199,17 @@ def _build_scatter(dispatcher: Any, prepared: Any, x: Any) -> Any:
     if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
             or info is None or info.name != "shm" or prepared.async_op or type(x) is not np.ndarray):
         return None
-    send, header, resolve, root = call.args
+    send, header, resolve, root, own = call.args
     size = arena.size
-    if send is not None:  # root: its own chunk goes to the call's output (the copy the dispatcher makes first)
-        (out, _), = call.copies
+    if send is not None:  # root: its own chunk goes to the call's output too
+        out = own[0]
         block = send.nbytes // size
         if (arena.lend(send, send.nbytes) is not None or x.nbytes != send.nbytes
                 or x.__array_interface__["data"][0] != send.__array_interface__["data"][0]):
             return None
-    else:
+    else:  # (a plan's x is its first argument, the chunks, which the other ranks ignore: no express call then)
+        if x is not getattr(resolve, "out", None):
+            return None
         out, header = x, resolve.accepted
         block = x.nbytes
     if (header is None or len(header) != DESCRIPTION_BYTES or not isinstance(out, np.ndarray)

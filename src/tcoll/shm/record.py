@@ -225,9 +225,10 @@ def _scatter_arguments(rank: int, size: int, count: int, dtype: np.dtype, root: 
     """scatter_described of `count` elements a chunk: root's description says nothing the recording reads."""
     block = count * dtype.itemsize
     if rank == root:
-        return (np.empty(block * size, dtype=np.uint8), np.zeros(HEADER_BYTES, dtype=np.uint8), None, root), block
+        return (np.empty(block * size, dtype=np.uint8), np.zeros(HEADER_BYTES, dtype=np.uint8), None, root,
+                None), block
     out = np.empty(block, dtype=np.uint8)
-    return (None, None, lambda header: out, root), block
+    return (None, None, lambda header: out, root, None), block
 
 
 def record_direct(collective: str, algorithm: str, size: int, count: int = 1, *, dtype: Any = np.float32,
