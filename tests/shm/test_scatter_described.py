@@ -246,3 +246,20 @@ def over_tcp(comm: tcoll.Communicator) -> list[Any]:
 def test_over_tcp_the_description_comes_first() -> None:
     for got, want in tcoll.spawn(over_tcp, 3, timeout=50, transport="tcp"):
         assert got == want
+
+
+def forced(comm: tcoll.Communicator) -> tuple[bool, bool]:
+    """TCOLL_ALGO=scatter=binomial: NumPy's chunks, and no call remembered for the arena's scatter."""
+    p, me = comm.size, comm.rank
+    chunks, out = _chunks(p, 6, 2), np.empty(6)
+    for _ in range(3):
+        comm.scatter(chunks if me == 0 else None, out=out)
+    key = (id(chunks if me == 0 else None), id(out), "scatter", 0, "auto")
+    return bool(np.array_equal(out, chunks[me])), key not in comm.core.dispatch.lean
+
+
+@pytest.mark.timeout(60)
+def test_a_forced_algorithm_is_still_the_one_that_runs() -> None:
+    for rank, (right, off_arena) in enumerate(tcoll.spawn(forced, 3, timeout=50, transport="shm",
+                                                          env={"TCOLL_ALGO": "scatter=binomial"})):
+        assert right and off_arena, rank
