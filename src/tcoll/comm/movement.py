@@ -239,12 +239,14 @@ class _Resolver:
     Attributes:
         accepted: the last description that matched `out` (b"": none yet); the same again passes at once,
             and an express call of the scatter expects it (tcoll.shm.express).
+        bound: the description the express call made last expects (b"": none), which tcoll.shm.express
+            makes anew once `accepted` moved on.
     """
 
-    __slots__ = ("out", "view", "made", "accepted")
+    __slots__ = ("out", "view", "made", "accepted", "bound")
 
     def __init__(self, out: Any) -> None:
-        self.out, self.made, self.accepted = out, None, b""
+        self.out, self.made, self.accepted, self.bound = out, None, b"", b""
         self.view = None if out is None else as_array(out, writable=True, what="scatter out")
 
     def expected(self) -> tuple[np.ndarray, np.ndarray] | None:

@@ -320,6 +320,6 @@ def _renew_express(dispatcher: Dispatcher, holder: Any, prepared: Prepared, x: A
     if not (dispatcher.gate.is_open or dispatcher.open_gate()) or holder.express is _NEVER or not make:
         return
     made = holder.express
-    if made is None or not made.usable(dispatcher.arena.kernel):  # type: ignore[union-attr]
+    if made is None or not made.usable(dispatcher.arena.kernel) or express.stale(prepared):  # type: ignore[union-attr]
         made = express.build(dispatcher, prepared, x)
         holder.express, holder.run_express = (_NEVER, None) if made is None else (made, made.run)

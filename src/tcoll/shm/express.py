@@ -39,7 +39,7 @@ import numpy as np
 
 from .kernel_abi import KERNEL_DTYPES, kernel_module
 
-__all__ = ["HANDED_OVER", "NO_RESULT", "NOTHING", "new_gate", "build", "forget_all"]
+__all__ = ["HANDED_OVER", "NO_RESULT", "NOTHING", "new_gate", "build", "stale", "forget_all"]
 
 # What an express call returns when it began the call and the Python path must go on with it.
 HANDED_OVER = kernel_module.HANDED_OVER if kernel_module is not None else object()
@@ -75,6 +75,16 @@ def new_gate(early: dict[Any, Any], ahead: dict[Any, Any]) -> Any:
     if kernel_module is None:  # pragma: no cover - built without the C kernel
         return _ShutGate()
     return kernel_module.Gate(early, ahead)
+
+
+def stale(prepared: Any) -> bool:
+    """Whether an express call made for `prepared` expects what its call no longer does: a scatter's other rank
+    whose `out` matched another description of root's since (its resolver's `accepted` moved past `bound`)."""
+    call = prepared.call
+    if call.collective != "scatter_described":
+        return False
+    resolve = call.args[2]
+    return resolve is not None and resolve.accepted != resolve.bound
 
 
 def forget_all() -> None:
@@ -212,6 +222,7 @@ def _build_scatter(dispatcher: Any, prepared: Any, x: Any) -> Any:
             return None
         out, header = x, resolve.accepted
         block = x.nbytes
+        resolve.bound = header
     if (header is None or len(header) != DESCRIPTION_BYTES or not isinstance(out, np.ndarray)
             or block > first_share(arena.slot_bytes, size, DESCRIPTION_BYTES)):
         return None
