@@ -297,3 +297,26 @@ def test_the_others_express_call_follows_a_new_description() -> None:
     assert not [line for bad, _, _ in results for line in bad], results
     _, numpy_calls, torch_calls = results[1]  # (rank 1: root's chunks are another array, so another call)
     assert numpy_calls > 0 and torch_calls > 0, results
+
+
+def another_collective(comm: tcoll.Communicator) -> tuple[str, bool]:
+    """Rank 2 broadcasts where ranks 0 and 1 scatter (root 0): every rank raises, and the next call is right."""
+    p, me = comm.size, comm.rank
+    chunks, out = _chunks(p, 4, 0), np.empty(4)
+    for _ in range(4):  # (express calls first)
+        comm.scatter(chunks if me == 0 else None, out=out)
+    try:
+        if me == 2:
+            comm.broadcast(np.empty(4), 0)
+        else:
+            comm.scatter(chunks if me == 0 else None, out=out)
+        said = "no error"
+    except tcoll.MismatchError as exc:
+        said = str(exc)
+    return said, bool(np.array_equal(comm.scatter(chunks if me == 0 else None), chunks[me]))
+
+
+@pytest.mark.timeout(60)
+def test_another_collective_on_one_rank_is_an_error_on_every_rank() -> None:
+    for rank, (said, after_ok) in enumerate(tcoll.spawn(another_collective, 3, timeout=50, transport="shm")):
+        assert "scatter" in said and "broadcast" in said and after_ok, (rank, said)

@@ -18,9 +18,11 @@ blocking form and start() are different calls to the other ranks (as
 `async_op` is): make the same one on every rank. A plan's checks are local:
 one that fails raises on that rank only and takes no sequence number.
 
-A call of several steps (scatter, the v-collectives and the object
-collectives) and a call whose input had to be copied (its input overlaps
-its output) are checked again at every run: they have no fixed buffers to bind.
+A call of several steps (scatter across hosts, the v-collectives and the
+object collectives), root's part of a scatter on one host (the description
+it sends is made anew) and a call whose input had to be copied (its input
+overlaps its output) are checked again at every run: they have no fixed
+buffers to bind.
 
 The *lean path* gives ordinary blocking calls the same saving when they
 repeat: all_reduce, reduce, broadcast and barrier keep the prepared call of

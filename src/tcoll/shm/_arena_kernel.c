@@ -728,6 +728,17 @@ static void stream_shares(const Kernel *k, uint64_t step, const uint8_t *send, P
     publish_counter(k, step + 1);
 }
 
+/* A scatter's other rank: copy `len` bytes of root's slot of this step from `at` to `dst` as root streams them;
+ * where `header` is not NULL (the first step), only once root describes this call as this rank does, lent
+ * nothing and wrote that description. 0: it did not, or not within the spin. */
+static int read_described(const Kernel *k, const RunArgs *a, int root, const uint8_t *header, Py_ssize_t at,
+                          uint8_t *dst, Py_ssize_t len) {
+    return (header == NULL || (wait_written(k, root, a->step, DESCRIPTION_BYTES, a->spin_ns, a->yield) &&
+                               describes_mine(k, root, a->step) &&
+                               memcmp(slot_of(k, root, a->step), header, DESCRIPTION_BYTES) == 0)) &&
+           read_stream_at(k, a, root, at, dst, len, 0);
+}
+
 /* step_scatter's first step streamed (described, not yet published): root announces its description, then each
  * other rank's chunk a STREAM_CHUNK at a time, on its progress line, and publishes; the others publish at once,
  * and once root describes this call, lent nothing and wrote the description they expect, copy their chunk as it
@@ -742,10 +753,7 @@ static int scatter_streamed(Kernel *self, const RunArgs *a, const Blocks *b, Py_
         if (b->out != NULL) tc_copy(b->out, send + self->rank * n, (size_t)n);
     } else {
         publish_counter(self, a->step + 1);
-        const uint8_t *slot = slot_of(self, b->root, a->step);
-        ok = wait_written(self, b->root, a->step, DESCRIPTION_BYTES, a->spin_ns, a->yield) &&
-             describes_mine(self, b->root, a->step) && memcmp(slot, b->header, DESCRIPTION_BYTES) == 0 &&
-             read_stream_at(self, a, b->root, at, b->out, n, 0);
+        ok = read_described(self, a, b->root, b->header, at, b->out, n);
     }
     PyEval_RestoreThread(saved);
     return ok && wait_all(self, a->step + 1, a->spin_ns, a->yield) && descriptors_agree(self, a->step);
@@ -932,12 +940,9 @@ static PyObject *Kernel_scatter_read(Kernel *self, PyObject *const *args, Py_ssi
     }
     int done = -1;
     if (self->held >= 0 && root >= 0 && root < self->size && at >= 0 && at + a.view.len <= self->slot_bytes) {
-        const uint8_t *slot = slot_of(self, root, a.step);
         self->busy++;
         Py_BEGIN_ALLOW_THREADS
-        done = (header == NULL || (wait_written(self, root, a.step, DESCRIPTION_BYTES, a.spin_ns, a.yield) &&
-                                   describes_mine(self, root, a.step) && memcmp(slot, header, DESCRIPTION_BYTES) == 0))
-               && read_stream_at(self, &a, root, at, a.view.buf, a.view.len, 0);
+        done = read_described(self, &a, root, header, at, a.view.buf, a.view.len);
         Py_END_ALLOW_THREADS
         step_over(self);
     } else {
@@ -1148,9 +1153,9 @@ static PyMethodDef Kernel_methods[] = {
     {"run_gather_pieces", (PyCFunction)(void (*)(void))Kernel_run_gather_pieces, METH_FASTCALL,
      "A gather's slot-sized pieces, streamed, from a phase on (see pieces.h)."},
     {"scatter_write", (PyCFunction)(void (*)(void))Kernel_scatter_write, METH_FASTCALL,
-     "A scatter root's step after its first, streamed (see stream_shares)."},
+     "A scatter root's step in Python's steps, streamed (see stream_shares)."},
     {"scatter_read", (PyCFunction)(void (*)(void))Kernel_scatter_read, METH_FASTCALL,
-     "A scatter's other rank, in a step after its first: its share as root streams it (see read_stream_at)."},
+     "A scatter's other rank in Python's steps: its share as root streams it (see read_stream_at)."},
     {"run_scatter", (PyCFunction)(void (*)(void))Kernel_run_scatter, METH_FASTCALL,
      "A scatter's step and its closing one, for chunks that fit the first step (see step_scatter)."},
     {"run_blocks", (PyCFunction)(void (*)(void))Kernel_run_blocks, METH_FASTCALL,

@@ -2,7 +2,8 @@
 
 The calls it takes: all_reduce, reduce, broadcast and barrier on one array, and
 the block collectives (all_gather, gather, all_to_all, reduce_scatter) from one
-input into one output, each where the arena's kernel runs the call's steps.
+input into one output, and a scatter (tcoll.shm.described: root's chunks, the
+others' `out`), each where the arena's kernel runs the call's steps.
 
 An ordinary blocking call on a small array is its arena step (half a
 microsecond on two ranks) inside about two microseconds of Python: checks,
@@ -100,7 +101,8 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     Only an all_reduce or reduce that runs on the arena's one-step or split kernel takes it (a
     NumPy array that is the call's own buffer, a built-in op the kernel reduces in the array's
     dtype, a result that needs no finishing: avg divides, Python does; at most one slot), or a
-    broadcast of such an array in the kernel's one step (where root's buffer is not lent).
+    broadcast of such an array in the kernel's one step (where root's buffer is not lent); the block
+    collectives and scatter have their own conditions (_build_blocks, _build_scatter).
 
     Returns:
         A kernel_module.Express: `run(x)` gives the call's result, or None when the Python path must run
@@ -112,15 +114,14 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     from .bridge import may_fail
     from .vector import one_step
 
-    call, info = prepared.call, prepared.info
+    call = prepared.call
     arena = dispatcher.arena
     if call.collective in _BLOCKS:
         return _build_blocks(dispatcher, prepared, x)
     if call.collective == "scatter_described":
         return _build_scatter(dispatcher, prepared, x)
-    if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
-            or info is None or not info.direct or info.name != "shm" or call.collective not in _COLLECTIVES or prepared.async_op or prepared.finishes
-            or call.copies or call.staged is not None or type(x) is not np.ndarray):
+    if (not _in_arena_kernel(arena, prepared, x) or call.collective not in _COLLECTIVES or prepared.finishes
+            or call.copies or call.staged is not None):
         return None
     flat = call.args[0] if call.args else x  # (a barrier's token: no bytes)
     if flat.nbytes != x.nbytes or flat.nbytes > arena.slot_bytes or \
@@ -147,6 +148,15 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
         split, arena.kernel_spin_ns, arena.kernel_yields, root, -1, None, 0, lending, None)
 
 
+def _in_arena_kernel(arena: Any, prepared: Any, x: Any) -> bool:
+    """Whether blocking `prepared` (on NumPy array `x`) runs on an arena of 2 or more ranks with the C kernel, by
+    the shm direct algorithm: what every express call needs first."""
+    info = prepared.info
+    return (kernel_module is not None and arena is not None and type(arena.kernel) is kernel_module.Kernel
+            and arena.size >= 2 and info is not None and info.direct and info.name == "shm"
+            and not prepared.async_op and type(x) is np.ndarray)
+
+
 def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
     """The express call of a blocking all_gather, gather, all_to_all or reduce_scatter on array `x` into a fixed
     output (the caller's `out`, or a plan's; none on a gather's other ranks), or None.
@@ -159,11 +169,9 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
     from .blocks import _share, _steps
     from .bridge import kernel_codes, may_fail
 
-    call, info = prepared.call, prepared.info
+    call = prepared.call
     arena = dispatcher.arena
-    if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
-            or info is None or not info.direct or info.name != "shm" or prepared.async_op or prepared.finishes
-            or type(x) is not np.ndarray):
+    if not _in_arena_kernel(arena, prepared, x) or prepared.finishes:
         return None
     collective, size = call.collective, arena.size
     root = call.root if collective == "gather" else 0  # (a reduce_scatterv's root field is a digest)
@@ -204,10 +212,9 @@ def _build_scatter(dispatcher: Any, prepared: Any, x: Any) -> Any:
     while root's description is the one the last call checked (its resolver's `accepted`)."""
     from .described import DESCRIPTION_BYTES, first_share
 
-    call, info = prepared.call, prepared.info
+    call = prepared.call
     arena = dispatcher.arena
-    if (kernel_module is None or arena is None or type(arena.kernel) is not kernel_module.Kernel or arena.size < 2
-            or info is None or info.name != "shm" or prepared.async_op or type(x) is not np.ndarray):
+    if not _in_arena_kernel(arena, prepared, x):
         return None
     send, header, resolve, root, own = call.args
     size = arena.size
