@@ -53,8 +53,7 @@ _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a ful
 # own memory, set 1's its verdict on single copies (0: not yet, 1: it reads every peer, 2: it cannot).
 _PID_WORD, _ADDRESS_WORD, _VERDICT_WORD, _CAN, _CANNOT = 6, 7, 6, 1, 2  # (the last two: verdicts)
 _SINGLE_COPY_FLAG = 1 << 63  # a descriptor's heap-id word with this bit: the buffer is read by single copies
-# The steps a kernel step took, by the state it returned: a call that may lend (DONE: with the lenders' step);
-# a run_split.
+# Steps a kernel step took, by the state it returned: a call that may lend (DONE: with the lenders' step); run_split.
 LENDING_STEPS = {kernel_module.PUBLISHED: 1, kernel_module.DONE: 2} if kernel_module is not None else {}
 _SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
                       if kernel_module is not None else {})
@@ -346,9 +345,10 @@ class Arena:
             self._scratch = np.empty(self.size * max(64 << 10, self.slot_bytes // self.size), dtype=np.uint8)
         return self._scratch
 
-    def all_lent(self, step: int) -> bool:
-        """Whether every rank lent its buffer for the call starting at `step` (agreed: the same on every rank)."""
-        return all(self._desc[self._desc_at(step, q) + 3] for q in range(self.size))
+    def all_lent(self, step: int, mapped: bool = False) -> bool:
+        """Whether every rank lent its buffer for the call at `step` (`mapped`: all in shared memory). Agreed."""
+        flags = [self._desc[self._desc_at(step, q) + 3] for q in range(self.size)]
+        return all(flags) and not (mapped and _SINGLE_COPY_FLAG in flags)  # by address: single copies
 
     def peer_source(self, step: int, rank: int) -> np.ndarray | tuple[int, int]:
         """What `rank` lent for the call starting at `step` (lend): a view of its shared buffer, or

@@ -10,11 +10,13 @@ step (and its buffer), publish; copy the others' parts out. The C kernel runs th
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from ..algos.topology import part_bounds
+from ..errors import PeerFailedError, PeerLostError, RevokedError, TcollError
 from ..ops import Op
 from .arena import Arena
 from .bridge import copy_bytes, kernel_codes, may_fail, reduce_into, run_phases
@@ -159,16 +161,77 @@ class _Pieces:
 
 
 def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, step: int) -> None:
-    """The rest of an all_reduce whose every rank lent its buffer (`step`, its first, agreed), in two more
-    steps whatever the size: reduce this rank's 1/p over every rank's input into its own buffer, a
-    scratch-sized piece at a time (the others' read in place through the mapping, or by single copies
-    into the scratch: tcoll.shm.single_copy), publish; read the other ranks' reduced parts straight from
-    their buffers into this one, publish, and wait until nobody reads its own. Operands in rank order.
+    """The rest of an all_reduce whose every rank lent its buffer (`step`, its first, agreed): reduce this
+    rank's 1/p over every rank's input, a scratch-sized piece at a time, into its own buffer. Operands in
+    rank order. No byte goes through a slot.
 
-    No byte goes through a slot: every byte that crosses between ranks is read once where it lies.
+    Where every buffer lies in shared memory, each piece of the result is written on into every other
+    rank's buffer while it is in this rank's cache, then one step ends the call: once every rank has
+    published it, every buffer holds every part and nobody reads or writes another's. This rank's part of
+    another's buffer is read (its input) and written (the result) by this rank alone, so nothing overlaps.
+    Where some rank lent by its address instead (single copies, tcoll.shm.single_copy), which the others
+    may read but not write, each rank publishes its part, reads the others' parts from their buffers into
+    its own, and waits until nobody reads its own. The descriptors decide, alike on every rank.
     """
     size, me = arena.size, arena.rank
     sources = [None if q == me else arena.peer_source(step, q) for q in range(size)]
+    push = arena.all_lent(step, mapped=True)
+    reduced = arena.skip()
+    try:
+        _reduce_lent_part(arena, raw, dtype, op, sources, push)
+        arena.publish(reduced)
+        arena.wait_all(reduced)
+    except BaseException as error:
+        if push:
+            _settle(arena, reduced, error)
+        raise
+    if push:
+        return
+    count = raw.nbytes // dtype.itemsize
+    for q in range(size):
+        if q != me:
+            first, last = part_bounds(count, size, q)
+            arena.read_peer(q, sources[q], first * dtype.itemsize, raw[first * dtype.itemsize:last * dtype.itemsize])
+    done = arena.skip()
+    arena.publish(done)
+    arena.wait_all(done)  # the others may still read this rank's part
+
+
+def _settle(arena: Arena, reduced: int, error: BaseException) -> None:
+    """Before a call that writes into the others' buffers fails here (`error`): wait until no other rank
+    writes into this one's any more, each having published `reduced` (its writes done), failed (its notice
+    raises here and names it: it writes no more) or been lost; at most the communicator's timeout.
+
+    Otherwise a caller that refills its buffer at once could have a late write of this call land in the
+    input of its next call.
+    """
+    stopped = {arena.rank, getattr(error, "rank", -1)}
+    timeout = arena.timeout
+    deadline = time.monotonic() + timeout
+    try:
+        for q in range(arena.size):
+            while q not in stopped:
+                arena.alarm, arena.timeout = None, max(0.0, deadline - time.monotonic())
+                try:
+                    arena.wait_rank(q, reduced)
+                    stopped.add(q)
+                except (PeerFailedError, RevokedError) as told:  # that rank is out of the call
+                    stopped.add(told.rank)
+                except PeerLostError:  # (the wait for q finds q lost)
+                    stopped.add(q)
+    except TcollError:  # timed out, or closed: nothing more to wait for
+        pass
+    finally:
+        arena.timeout = timeout
+
+
+def _reduce_lent_part(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, sources: list[Any],
+                      push: bool) -> None:
+    """This rank's 1/p of every rank's lent input (`sources`: peer_source, None for this rank's own `raw`),
+    reduced in rank order into `raw`, a scratch-sized piece at a time; with `push`, each piece of the
+    result also copied into every other rank's buffer (then in this rank's cache: the others' copies out
+    of this rank's buffer would read it from here)."""
+    size, me = arena.size, arena.rank
     a, b = own_part(arena, raw.nbytes, dtype)
     scratch = arena.scratch()
     # p pieces of scratch: the p - 1 others' inputs (read by single copies) and the partial result
@@ -180,17 +243,10 @@ def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op,
                  for q in range(size)]
         _reduce_into_own(arena, op, [part.view(dtype) for part in parts], raw[lo:hi].view(dtype),
                          scratch[me * piece:][:hi - lo].view(dtype))
-    reduced = arena.skip()
-    arena.publish(reduced)
-    arena.wait_all(reduced)
-    count = raw.nbytes // dtype.itemsize
-    for q in range(size):
-        if q != me:
-            first, last = part_bounds(count, size, q)
-            arena.read_peer(q, sources[q], first * dtype.itemsize, raw[first * dtype.itemsize:last * dtype.itemsize])
-    done = arena.skip()
-    arena.publish(done)
-    arena.wait_all(done)  # the others may still read this rank's part
+        if push:
+            for q in range(size):
+                if q != me:
+                    copy_bytes(arena, sources[q][lo:hi], raw[lo:hi])
 
 
 def _reduce_into_own(arena: Arena, op: Op, parts: list[np.ndarray], own: np.ndarray, scratch: np.ndarray) -> None:

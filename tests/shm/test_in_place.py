@@ -1,0 +1,123 @@
+"""Large all_reduces whose every rank lent its buffer (comm.empty): each rank reduces its part of every
+rank's input and writes the result into every rank's buffer (tcoll.shm.large._all_reduce_in_place).
+
+Every result is NumPy's over every rank's input, on every rank, after the call's two steps; a call
+right after it, with fresh data, sees none of the last call's writes; a user's op that fails on one
+rank fails the call on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tcoll
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+SLOT = 64 << 10  # each rank reduces its part in many scratch-sized pieces (64 KiB)
+COUNT = 300_001  # float32 elements: above a slot, parts of uneven length
+
+
+def _data(rank: int, count: int, dtype: Any, salt: int = 0) -> np.ndarray:
+    return ((np.arange(count) * (rank + 3) + 7 * rank + salt) % 251).astype(dtype)
+
+
+def _twice_then_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Not commutative: folded in rank order, rank q's input weighs 2 ** (p - 1 - q)."""
+    return a * 2 + b
+
+
+CASES = [(np.float32, "sum"), (np.int64, "sum"), (ml_dtypes.bfloat16, "max"), (np.float64, "prod"),
+         (np.int64, "twice_then_add")]
+
+
+def _expected(size: int, count: int, dtype: Any, op: str, salt: int = 0) -> np.ndarray:
+    inputs = [_data(q, count, dtype, salt) for q in range(size)]
+    if op == "twice_then_add":
+        return functools.reduce(_twice_then_add, inputs)
+    ufunc = {"sum": np.add, "max": np.maximum, "prod": np.multiply}[op]
+    return ufunc.reduce(np.stack(inputs).astype(np.float64 if op == "prod" else dtype)).astype(dtype)
+
+
+def every_case(comm: tcoll.Communicator) -> list[str]:
+    """Each case in a comm.empty buffer; what came out wrong, and how many arena steps each call took."""
+    comm.barrier(algorithm="shm")  # (the arena opens at its first call)
+    arena = comm.core.dispatch.arena
+    bad = []
+    for dtype, op in CASES:
+        x = comm.empty(COUNT, dtype)
+        x[...] = _data(comm.rank, COUNT, dtype)
+        the_op: Any = tcoll.Op(_twice_then_add, commutative=False, name="twice") if op == "twice_then_add" else op
+        before = arena.step
+        comm.all_reduce(x, the_op, algorithm="shm")
+        steps = arena.step - before
+        if steps != 2:
+            bad.append(f"{np.dtype(dtype)} {op}: {steps} arena steps")
+        wrong = np.flatnonzero(x != _expected(comm.size, COUNT, dtype, op))
+        if wrong.size:
+            bad.append(f"{np.dtype(dtype)} {op}: {wrong.size} wrong, from element {wrong[0]}")
+    return bad
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8])
+def test_every_buffer_holds_numpys_result(size: int) -> None:
+    reports = tcoll.spawn(every_case, size, timeout=170, transport="shm", shm_slot=SLOT)
+    assert reports == [[]] * size
+
+
+@pytest.mark.timeout(60)
+def test_thread_ranks_lend_alike() -> None:
+    assert tcoll.spawn(every_case, 3, threads=True, timeout=50, shm_slot=SLOT) == [[]] * 3
+
+
+def back_to_back(comm: tcoll.Communicator, calls: int) -> list[int]:
+    """Calls one after another, each on fresh data written the moment the last returned; the wrong calls."""
+    x = comm.empty(COUNT // 3, np.float32)
+    wrong = []
+    for call in range(calls):
+        x[...] = _data(comm.rank, x.size, np.float32, salt=call)
+        comm.all_reduce(x, algorithm="shm")
+        if not np.array_equal(x, _expected(comm.size, x.size, np.float32, "sum", salt=call)):
+            wrong.append(call)
+    return wrong
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [3, 5])
+def test_no_write_of_a_call_lands_in_the_next(size: int) -> None:
+    assert tcoll.spawn(back_to_back, size, (40,), timeout=110, transport="shm", shm_slot=SLOT) == [[]] * size
+
+
+def failing_on_rank_1(comm: tcoll.Communicator) -> list[str]:
+    """A user's op that raises on rank 1 only, then an ordinary call; what each rank saw."""
+    comm.timeout = 30.0
+
+    def add_unless_rank_1(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if comm.rank == 1:
+            raise RuntimeError("the op refuses on rank 1")
+        return a + b
+
+    x = comm.empty(16 * COUNT, np.float32)  # the others write into rank 1's buffer long after its op raised
+    x[...] = 1
+    seen = []
+    try:
+        comm.all_reduce(x, tcoll.Op(add_unless_rank_1), algorithm="shm")
+        seen.append("ok")
+    except (tcoll.TcollError, RuntimeError) as exc:
+        seen.append(type(exc).__name__)
+    x[...] = comm.rank + 1
+    comm.all_reduce(x, algorithm="shm")
+    seen.append(str(np.unique(x).tolist()))
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_an_op_that_fails_on_one_rank_fails_the_call_on_every_rank() -> None:
+    seen = tcoll.spawn(failing_on_rank_1, 3, timeout=50, transport="shm", shm_slot=SLOT)
+    assert seen == [["PeerFailedError", "[6.0]"], ["RuntimeError", "[6.0]"], ["PeerFailedError", "[6.0]"]]
