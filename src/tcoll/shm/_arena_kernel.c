@@ -487,17 +487,18 @@ static long close_streamed(const Kernel *k, const RunArgs *a, int streamed, int 
 
 /* run_split(buf, dtype, op, step, stamp, sequence, spin_ns, yield, want): a call that fits a slot, in three
  * steps, where each rank reduces 1/p of the data instead of all of it (tcoll.shm.vector._reduce_split has
- * the same steps in Python): step `step`: claim, describe, copy in, publish; when every rank has and
- * describes the same call, reduce this rank's part of every slot (into `buf` at that part if `want`) and
- * copy it over its own part of its slot; publish `step + 1`; when every rank has, copy the others' parts
- * out (if `want`); publish `step + 2` (done reading the slots). Returns how far it got: NOT_STARTED,
- * PUBLISHED (`step`), REDUCED (`step + 1`) or DONE; Python goes on from there as with run(). */
+ * the same steps in Python): step `step`: claim, describe, copy in, publish; when every rank has, describes
+ * the same call and lent nothing (a lender's slot holds none of its input: Python reads its buffer), reduce
+ * this rank's part of every slot (into `buf` at that part if `want`) and copy it over its own part of its
+ * slot; publish `step + 1`; when every rank has, copy the others' parts out (if `want`); publish `step + 2`
+ * (done reading the slots). Returns how far it got: NOT_STARTED, PUBLISHED (`step`), REDUCED (`step + 1`)
+ * or DONE; Python goes on from there as with run(). */
 static long step_split(Kernel *self, const RunArgs *a) {
     Py_ssize_t item = ITEMSIZE[a->dtype], n = a->view.len / item, lo, hi;
     part_bounds(n, self->size, self->rank, &lo, &hi);
     long state = self->size > MAX_KERNEL_RANKS ? NOT_STARTED : claim_and_publish(self, a, lo * item, hi * item);
     if (state == NOT_STARTED || !wait_all(self, a->step + 1, a->spin_ns, a->yield) ||
-        !descriptors_agree(self, a->step) ||
+        !descriptors_agree(self, a->step) || peer_lent(self, a->step) ||
         !reduce_part(self, a->step, a->step, a->dtype, a->op, a->view.buf, a->want, n))
         return state;
     publish_counter(self, a->step + 2);

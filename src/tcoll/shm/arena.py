@@ -37,8 +37,8 @@ from ..p2p import notice, status
 from ..p2p.waiting import FENCE_LOCK, FUTEX_AVAILABLE, Doorbell
 from ..segments import Segment
 
-from . import single_copy
 from .kernel_abi import DESC_WORDS, KERNEL_DTYPES, KERNEL_OPS, PROGRESS_LINE, SETS, kernel_module
+from .lending import ZERO_COPY_BYTES, Lending
 
 if TYPE_CHECKING:
     from ..p2p.engine import Engine
@@ -46,20 +46,15 @@ if TYPE_CHECKING:
 __all__ = ["Arena", "KERNEL_DTYPES", "KERNEL_OPS", "SETS", "ZERO_COPY_BYTES", "arena_bytes"]
 
 _POLLS_PER_PROGRESS = 32  # while waiting, one round of point-to-point progress per so many polls
-ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
 _WORD = (1 << 64) - 1
 _fence_acquire, _fence_release = FENCE_LOCK.acquire, FENCE_LOCK.release  # a full fence: see p2p.waiting.fence
-# Words of a rank's descriptors that no call writes: set 0's hold its pid and the address of that word in its
-# own memory, set 1's its verdict on single copies (0: not yet, 1: it reads every peer, 2: it cannot).
-_PID_WORD, _ADDRESS_WORD, _VERDICT_WORD, _CAN, _CANNOT = 6, 7, 6, 1, 2  # (the last two: verdicts)
-_SINGLE_COPY_FLAG = 1 << 63  # a descriptor's heap-id word with this bit: the buffer is read by single copies
 # Steps a kernel step took, by the state it returned: a call that may lend (DONE: with the lenders' step); run_split.
 LENDING_STEPS = {kernel_module.PUBLISHED: 1, kernel_module.DONE: 2} if kernel_module is not None else {}
 _SPLIT_STEPS_TAKEN = ({kernel_module.PUBLISHED: 1, kernel_module.REDUCED: 2, kernel_module.DONE: 3}
                       if kernel_module is not None else {})
 
 
-class Arena:
+class Arena(Lending):
     """One communicator's shared-memory arena (see the module docstring).
 
     The dispatcher makes it at the communicator's first direct call (rank 0
@@ -188,6 +183,10 @@ class Arena:
     def publish(self, step: int) -> None:
         """Say this rank wrote its part of `step` and read everything before it; wake sleepers."""
         self._counters[self.rank] = step + 1
+        self._ring()
+
+    def _ring(self) -> None:
+        """Make this rank's last word visible, then wake the ranks that sleep."""
         _fence_acquire()  # fence(), inline
         _fence_release()
         for bell in self._bells:
@@ -307,105 +306,8 @@ class Arena:
             text = disagreement(rank, theirs, self.rank, self.stamp)
         return MismatchError(f"{what}: {text}", ranks=[rank], mine=self.stamp, theirs=theirs)
 
-    def peer_buffer(self, step: int, rank: int) -> np.ndarray | None:
-        """The zero-copy buffer (uint8) `rank` described for the call starting at `step`, or None."""
-        at = self._desc_at(step, rank)
-        heap_id = self._desc[at + 3]
-        if not heap_id or self.heap is None:
-            return None
-        return self.heap.view(self._world[rank], heap_id, self._desc[at + 4], self._desc[at + 5])
-
     def _desc_at(self, step: int, rank: int) -> int:
         return ((step % SETS) * self.size + rank) * DESC_WORDS
-
-    # -- single copies between processes (tcoll.shm.single_copy) -------------------------
-    # Decided once, while the arena opens (tcoll.comm.opening), in three moves separated by barriers.
-
-    def write_identity(self, allowed: bool) -> None:
-        """Write this rank's pid and the address of that word in its memory (pid 0: it will not read nor lend)."""
-        at = self._desc_at(0, self.rank)
-        self._desc[at + _PID_WORD] = os.getpid() if allowed and single_copy.available() else 0
-        self._desc[at + _ADDRESS_WORD] = self._desc_address + 8 * (at + _PID_WORD)
-
-    def probe_single_copy(self) -> None:
-        """Read every other rank's pid word through its memory (single_copy.reads_back); write the verdict."""
-        ids = [(int(self._desc[at + _PID_WORD]), int(self._desc[at + _ADDRESS_WORD]))
-               for at in (self._desc_at(0, q) for q in range(self.size))]
-        verdict = _CAN if single_copy.reads_back(ids, self.rank) else _CANNOT
-        self._desc[self._desc_at(1, self.rank) + _VERDICT_WORD] = verdict
-
-    def decide_single_copy(self) -> None:
-        """Use single copies if every rank's verdict is yes (every rank reads the same verdicts: the same choice)."""
-        self.single_copy = self.size > 1 and all(
-            self._desc[self._desc_at(1, q) + _VERDICT_WORD] == _CAN for q in range(self.size))
-
-    def scratch(self) -> np.ndarray:
-        """A private buffer (made at first use): p pieces of a slot's share, at least 64 KiB (tcoll.shm.large)."""
-        if self._scratch is None:
-            self._scratch = np.empty(self.size * max(64 << 10, self.slot_bytes // self.size), dtype=np.uint8)
-        return self._scratch
-
-    def all_lent(self, step: int, mapped: bool = False) -> bool:
-        """Whether every rank lent its buffer for the call at `step` (`mapped`: all in shared memory). Agreed."""
-        flags = [self._desc[self._desc_at(step, q) + 3] for q in range(self.size)]
-        return all(flags) and not (mapped and _SINGLE_COPY_FLAG in flags)  # by address: single copies
-
-    def peer_source(self, step: int, rank: int) -> np.ndarray | tuple[int, int]:
-        """What `rank` lent for the call starting at `step` (lend): a view of its shared buffer, or
-        (pid, address) to read by single copies."""
-        at = self._desc_at(step, rank)
-        if self._desc[at + 3] != _SINGLE_COPY_FLAG:
-            view = self.peer_buffer(step, rank)
-            if view is None:
-                raise self._fail(TcollError(f"{self.label} #{self.sequence} (shm): rank {rank} lent no buffer"))
-            return view
-        return int(self._desc[self._desc_at(0, rank) + _PID_WORD]), int(self._desc[at + 4])
-
-    def read_peer(self, rank: int, source: np.ndarray | tuple[int, int], lo: int, into: np.ndarray) -> None:
-        """Copy bytes [lo, lo + into.nbytes) of what `rank` lent (peer_source) into `into`.
-
-        Raises:
-            PeerLostError: its process is gone (a defect of tcoll's if it is there: TcollError).
-        """
-        if isinstance(source, np.ndarray):
-            np.copyto(into, source[lo:lo + into.nbytes])
-            return
-        pid, address = source
-        try:
-            single_copy.read_into(pid, address + lo, into)
-        except OSError as exc:
-            try:
-                self._engine.probe_peers([self._world[rank]])
-            except PeerLostError as lost:  # gone: that is the error
-                raise self._fail(lost) from None
-            raise self._fail(TcollError(f"{self.label} #{self.sequence} (shm): reading rank {rank}'s buffer in "
-                                        f"place failed: {exc}")) from None
-
-    # -- zero-copy buffers -------------------------------------------------------------
-
-    def lend(self, raw: np.ndarray, total: int, anywhere: bool = False) -> tuple[int, int, int] | None:
-        """What the others read of `raw`, if a call of `total` bytes is large enough to lend it: where it lies in
-        this rank's shared buffers; else, if `anywhere` and the arena reads by single copies, its address here
-        (peer_source tells the two apart); else None (it is copied into the slots)."""
-        if total < ZERO_COPY_BYTES or self.heap is None:
-            return None
-        ref = self.heap.locate(raw)
-        if ref is None and anywhere and self.single_copy:
-            ref = (_SINGLE_COPY_FLAG, raw.__array_interface__["data"][0], raw.nbytes)
-        return ref
-
-    def finish_lending(self, total: int, lent: bool) -> None:
-        """The closing step of a call that may have read buffers in place: lenders wait for every reader.
-
-        Every rank takes the step when the call is large enough to lend (the
-        same decision everywhere); only the lenders wait in it.
-        """
-        if total < ZERO_COPY_BYTES:
-            return
-        step = self.skip()
-        self.publish(step)
-        if lent:
-            self.wait_all(step)
 
     # -- failure ----------------------------------------------------------------------
 

@@ -10,18 +10,22 @@ step (and its buffer), publish; copy the others' parts out. The C kernel runs th
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
 from ..algos.topology import part_bounds
-from ..errors import PeerFailedError, PeerLostError, RevokedError, TcollError
 from ..ops import Op
 from .arena import Arena
 from .bridge import copy_bytes, kernel_codes, may_fail, reduce_into, run_phases
 
-__all__ = ["own_part", "copy_in_but_own_part", "reduce_own_part", "copy_other_parts", "reduce_large"]
+__all__ = ["own_part", "copy_in_but_own_part", "reduce_own_part", "copy_other_parts", "reduce_large",
+           "all_reduce_in_place", "IN_PLACE_BYTES"]
+
+# An all_reduce that fits a slot lends its buffer from this size, and goes on in place if every rank did; below it
+# the slots' three steps in C are faster than the in-place path's Python (measured on 2 and 4 ranks: 256 KiB
+# ties, 512 KiB wins 1.2-1.5x; docs/performance.md).
+IN_PLACE_BYTES = 512 << 10
 
 
 def own_part(arena: Arena, nbytes: int, dtype: np.dtype) -> tuple[int, int]:
@@ -74,7 +78,7 @@ def reduce_large(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, root: i
     The C kernel runs the pieces (pieces.h) where it takes the dtype and op and nobody lent; where it stops
     (a wait past its spin, descriptors that differ, a peer that lent), Python takes that phase and calls it
     again for the rest. An all_reduce whose every rank lent its buffer goes on in place after the first step
-    instead (_all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
+    instead (all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
     """
     run_phases(_Pieces(arena, raw, dtype, op, root, arena.lend(raw, raw.nbytes, anywhere=root is None)))
 
@@ -138,7 +142,7 @@ class _Pieces:
         if index == 0:
             arena.agree(step)
             if self.root is None and arena.all_lent(step):
-                _all_reduce_in_place(arena, self.raw, self.dtype, self.op, step)
+                all_reduce_in_place(arena, self.raw, self.dtype, self.op, step)
                 return True
             self.sources = [None if q == arena.rank else arena.peer_buffer(step, q) for q in range(arena.size)]
             if any(source is not None for source in self.sources):
@@ -160,7 +164,7 @@ class _Pieces:
             copy_other_parts(self.arena, self.raw, self.dtype, lo, hi, result)
 
 
-def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, step: int) -> None:
+def all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, step: int) -> None:
     """The rest of an all_reduce whose every rank lent its buffer (`step`, its first, agreed): reduce this
     rank's 1/p over every rank's input, a scratch-sized piece at a time, into its own buffer. Operands in
     rank order. No byte goes through a slot.
@@ -169,6 +173,7 @@ def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op,
     rank's buffer while it is in this rank's cache, then one step ends the call: once every rank has
     published it, every buffer holds every part and nobody reads or writes another's. This rank's part of
     another's buffer is read (its input) and written (the result) by this rank alone, so nothing overlaps.
+    If the call fails here, this rank first waits until nobody writes into its buffer (arena.settle).
     Where some rank lent by its address instead (single copies, tcoll.shm.single_copy), which the others
     may read but not write, each rank publishes its part, reads the others' parts from their buffers into
     its own, and waits until nobody reads its own. The descriptors decide, alike on every rank.
@@ -181,9 +186,9 @@ def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op,
         _reduce_lent_part(arena, raw, dtype, op, sources, push)
         arena.publish(reduced)
         arena.wait_all(reduced)
-    except BaseException as error:
+    except BaseException:
         if push:
-            _settle(arena, reduced, error)
+            arena.settle(reduced)
         raise
     if push:
         return
@@ -195,34 +200,6 @@ def _all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op,
     done = arena.skip()
     arena.publish(done)
     arena.wait_all(done)  # the others may still read this rank's part
-
-
-def _settle(arena: Arena, reduced: int, error: BaseException) -> None:
-    """Before a call that writes into the others' buffers fails here (`error`): wait until no other rank
-    writes into this one's any more, each having published `reduced` (its writes done), failed (its notice
-    raises here and names it: it writes no more) or been lost; at most the communicator's timeout.
-
-    Otherwise a caller that refills its buffer at once could have a late write of this call land in the
-    input of its next call.
-    """
-    stopped = {arena.rank, getattr(error, "rank", -1)}
-    timeout = arena.timeout
-    deadline = time.monotonic() + timeout
-    try:
-        for q in range(arena.size):
-            while q not in stopped:
-                arena.alarm, arena.timeout = None, max(0.0, deadline - time.monotonic())
-                try:
-                    arena.wait_rank(q, reduced)
-                    stopped.add(q)
-                except (PeerFailedError, RevokedError) as told:  # that rank is out of the call
-                    stopped.add(told.rank)
-                except PeerLostError:  # (the wait for q finds q lost)
-                    stopped.add(q)
-    except TcollError:  # timed out, or closed: nothing more to wait for
-        pass
-    finally:
-        arena.timeout = timeout
 
 
 def _reduce_lent_part(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, sources: list[Any],

@@ -97,7 +97,8 @@ class RecordingArena:
     """The Arena interface (tcoll.shm.arena.Arena) for one rank of a recording: waits return at once.
 
     Attributes:
-        rank, size, slot_bytes, piece_bytes, step, first, heap (None: nothing is lent), kernel (None), as on Arena.
+        rank, size, slot_bytes, piece_bytes, step, first, heap (None: nothing is lent), kernel (None), pending (0),
+            as on Arena.
         seen: per rank, the highest step this rank waited for it to publish (-1: none).
         published: the steps this rank published, so far.
     """
@@ -110,6 +111,7 @@ class RecordingArena:
         self.step = self.first = 0
         self.heap = None
         self.kernel = None  # the schedule is the one the Python steps (which the C kernel mirrors) take
+        self.pending = 0  # (no express call left a kernel state)
         self.timeout = 0.0
         self.seen = [-1] * self.size
         self.published = 0
@@ -172,7 +174,7 @@ class RecordingArena:
     def lend(self, raw: np.ndarray, total: int, anywhere: bool = False) -> None:
         return None
 
-    def all_lent(self, step: int) -> bool:
+    def all_lent(self, step: int, mapped: bool = False) -> bool:
         return False
 
     def finish_lending(self, total: int, lent: bool) -> None:

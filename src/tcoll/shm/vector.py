@@ -33,7 +33,8 @@ from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_mod
 from . import express
 from .express import NOTHING
 from .bridge import combine_all, copy_bytes, kernel_codes, may_fail, run_phases
-from .large import copy_in_but_own_part, copy_other_parts, own_part, reduce_large, reduce_own_part
+from .large import (IN_PLACE_BYTES, all_reduce_in_place, copy_in_but_own_part, copy_other_parts, own_part,
+                    reduce_large, reduce_own_part)
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
                             if kernel_module is not None else (2, 1, 3))
@@ -176,22 +177,32 @@ def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
 
     Each rank reduces 1/p of the data, and no byte of its own part is copied in or out. The C kernel
     runs the steps when it is built and takes the dtype and op; where it stops (a late peer, a
-    descriptor that differs), Python goes on.
+    descriptor that differs, a peer that lent), Python goes on.
+
+    An all_reduce of IN_PLACE_BYTES or more lends a buffer that lies in shared memory (comm.empty)
+    instead of copying it in: if every rank did, the call goes on in place after its first step
+    (all_reduce_in_place); else the others read a lender's input in its buffer.
     """
     want = root is None or arena.rank == root
-    codes = kernel_codes(arena, buf.dtype, op)
+    raw = _raw(buf)
+    lent = None if arena.pending or root is not None or raw.nbytes < IN_PLACE_BYTES else arena.lend(raw, raw.nbytes)
+    codes = kernel_codes(arena, buf.dtype, op) if lent is None else None
     state = 0 if codes is None else arena.run_split(buf, *codes, want)  # 0: kernel_module.NOT_STARTED
     if state == DONE:
         return
-    raw = _raw(buf)
     a, b = own_part(arena, raw.nbytes, buf.dtype)
     if not state:
-        step = arena.first_step()
-        copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw, (a, b))
+        step = arena.first_step(lent)
+        if lent is None:
+            copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw, (a, b))
         arena.publish(step)
     if state != REDUCED:
         arena.agree(arena.first)
-        reduce_own_part(arena, op, raw, buf.dtype, arena.first, arena.first, 0, (a, b), want)
+        if root is None and arena.all_lent(arena.first):
+            all_reduce_in_place(arena, raw, buf.dtype, op, arena.first)
+            return
+        sources = [None if q == arena.rank else arena.peer_buffer(arena.first, q) for q in range(arena.size)]
+        reduce_own_part(arena, op, raw, buf.dtype, arena.first, arena.first, 0, (a, b), want, sources)
         arena.publish(arena.skip())
     if want or may_fail(op):
         arena.wait_all(arena.first + 1)
