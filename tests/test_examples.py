@@ -227,3 +227,12 @@ def test_call_profile_and_p2p_buffers_benchmarks_run() -> None:
     assert result.returncode == 0, result.stderr
     for what in ["p2p send+recv:", "all_reduce:", "all_reduce plan:"]:
         assert what in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_user_loop_benchmark_runs() -> None:
+    """benchmarks/user_loop.py, cut short: a row per size and kind of buffer (it checks each result itself)."""
+    result = _run_own(2, "benchmarks/user_loop.py", "--sizes", "64K,1M", "--repeats", "1", "--markdown")
+    assert result.returncode == 0, result.stderr
+    for row in ["| 65536 | plain | ", "| 65536 | shm | ", "| 1048576 | plain | ", "| 1048576 | shm | "]:
+        assert row in result.stdout, result.stdout
