@@ -75,3 +75,39 @@ def test_the_first_failure_is_what_every_rank_raises(kind: str) -> None:
         # (then it may hear of it at close, or not: rank 1's own error ends the job) or hear of it in the call
         assert seen[2] == "ok" or "rank 1" in seen[2] and seen[2].startswith(("ok; at close", "PeerFailedError")), seen
         assert seen[0].startswith("PeerFailedError") and "rank 1 failed this call" in seen[0], (kind, seen)
+
+
+def failure_told_to_rank_0_only(comm: tcoll.Communicator) -> str:
+    """Rank 1's part fails and its notice reaches rank 0 only (as when rank 1 is descheduled between its sends
+    and rank 0 leaves first); ranks 0 and 2 wait for rank 1's data. What each raised."""
+    comm.timeout = 20.0
+    agreement = comm.core.dispatch.agreement
+    if comm.rank == 1:
+        tell = agreement.tell
+        agreement.tell = lambda sequence, stamp, error, skip=-1: tell(sequence, stamp, error, skip=2)
+
+    def body(team: Any) -> Any:
+        if comm.rank == 1:
+            raise RuntimeError("this call refuses on rank 1")
+        yield from lookup("broadcast", "binomial").run(team, np.ones(4), 1)
+
+    try:
+        comm.core.dispatch.run_custom("told_to_rank_0", body)
+        said = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        said = f"{type(exc).__name__}: {exc}"
+    if comm.rank == 2:  # rank 1 stays until rank 2 has raised: its leaving must not be what rank 2 sees
+        comm.send(np.zeros(1), 1)
+    elif comm.rank == 1:
+        comm.recv(np.zeros(1), 2)
+    return said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_failure_told_to_one_rank_reaches_every_rank(transport: str) -> None:
+    seen = tcoll.spawn(failure_told_to_rank_0_only, 3, timeout=50, transport=transport)
+    assert seen[1] == "RuntimeError: this call refuses on rank 1", seen
+    for said in (seen[0], seen[2]):
+        assert said.startswith("PeerFailedError") and "rank 1 failed this call (RuntimeError: this call refuses" \
+            in said, seen

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["Agreement", "Running"]
 
 _FAILED, _MISMATCH, _LOST = b"F", b"M", b"L"  # a notice's first byte: what happened to the call at its sender
+_PASSED = b"P"  # ... or at another rank, whose notice the sender passed on (Agreement.fail)
 _ASK, _ANSWER = b"Q", b"A"  # a timed-out rank asks who is in the call; each rank answers with where it is
 _WHERE = {b"r": "in it", b"d": "done with it", b"n": "not started"}  # an answer's last byte
 _TEXT_BYTES = 4000  # a notice's text is cut to this
@@ -212,6 +213,10 @@ class Agreement:
 
         An error that came from another rank's notice is not told back, nor one
         that every rank of the call learns by itself (tcoll.errors.known_to_peers).
+        A failure told by another rank is passed on to the rest: this rank may leave
+        and close before that rank's own notice reaches them (it may be descheduled
+        between its sends), and a rank that then saw this one gone would raise the
+        loss instead of the failure that caused it.
         """
         self.gate.shut()
         self.watch.calls.pop(running.sequence, None)
@@ -223,6 +228,8 @@ class Agreement:
         self._raised(error, running.sequence)
         if running.told is not error and not is_known_to_peers(error):
             self.tell(running.sequence, running.stamp, error)
+        elif running.told is error and isinstance(error, PeerFailedError) and 0 <= error.rank < len(self.world):
+            self.tell(running.sequence, running.stamp, error, skip=self.world[error.rank])
 
     def fail_unstarted(self, sequence: int, label: str, stamp: int, error: BaseException) -> None:
         """A call that failed on this rank before it could start (a bad argument, a notice): tell the others."""
@@ -277,8 +284,9 @@ class Agreement:
 
     # -- notices -----------------------------------------------------------------------
 
-    def tell(self, sequence: int, stamp: int, error: BaseException) -> None:
-        """Send every other rank a notice that call `sequence` failed here, and why (sends are not waited for)."""
+    def tell(self, sequence: int, stamp: int, error: BaseException, skip: int = -1) -> None:
+        """Send every other rank (but world rank `skip`) a notice that call `sequence` failed here, and why (sends
+        are not waited for); a PeerFailedError is passed on as the failure of the rank it names."""
         self._on_trouble()
         if len(self.world) == 1 or self.engine.closed:
             return
@@ -286,6 +294,8 @@ class Agreement:
             kind, said = _MISMATCH, str(error).split(": ", 1)[-1]
         elif isinstance(error, PeerLostError):  # the cause is the lost rank, not the rank that saw it first
             kind, said = _LOST, f"{error.rank}:{error.detail}"
+        elif isinstance(error, PeerFailedError):  # another rank's failure: the cause is that rank
+            kind, said = _PASSED, f"{error.rank}:{error.cause}"
         else:
             kind, said = _FAILED, f"{type(error).__name__}: {error}"
         text = said.encode(errors="replace")[:_TEXT_BYTES]
@@ -293,7 +303,7 @@ class Agreement:
         payload = np.frombuffer(kind + _CAUSE.pack(cause) + text, dtype=np.uint8)
         tag = (sequence << BLOCK_BITS) + NOTICE_TAG
         for peer in self.world:
-            if peer != self.engine.rank and not self.engine.is_lost(peer):
+            if peer != self.engine.rank and peer != skip and not self.engine.is_lost(peer):
                 try:
                     self.engine.isend(payload, peer, self.ctx, tag, None, stamp | NOTICE)
                 except TcollError:  # lost meanwhile, or closing: it learns nothing more from us
@@ -442,6 +452,9 @@ class Agreement:
         if kind == _MISMATCH:
             return MismatchError(f"{where}: rank {peer} found the ranks disagree: {text}", ranks=[peer], mine=mine,
                                  theirs=theirs)
+        if kind == _PASSED:  # the failure of another rank, passed on by `peer`: it names that rank
+            origin, _, text = text.partition(":")
+            peer = int(origin) if origin.isdigit() else peer
         return PeerFailedError(f"{where}: rank {peer} failed this call ({text}), so it cannot complete here", peer,
                                text)
 
