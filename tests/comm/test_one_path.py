@@ -21,6 +21,7 @@ import tcoll
 from tcoll.algos.registry import lookup
 from tcoll.comm.calls import Call
 from tcoll.ops import as_op
+from tcoll.p2p.watch import BLOCK_BITS, NOTICE_TAG
 
 
 def _custom_call(comm: tcoll.Communicator) -> Any:
@@ -81,10 +82,16 @@ def failure_told_to_rank_0_only(comm: tcoll.Communicator) -> str:
     """Rank 1's part fails and its notice reaches rank 0 only (as when rank 1 is descheduled between its sends
     and rank 0 leaves first); ranks 0 and 2 wait for rank 1's data. What each raised."""
     comm.timeout = 20.0
-    agreement = comm.core.dispatch.agreement
-    if comm.rank == 1:
-        tell = agreement.tell
-        agreement.tell = lambda sequence, stamp, error, skip=-1: tell(sequence, stamp, error, skip=2)
+    if comm.rank == 1:  # its notices to rank 2 are lost (this process only)
+        engine = comm.core.engine
+        isend = engine.isend
+
+        def no_notice_to_rank_2(payload: Any, peer: int, ctx: int, tag: int, *rest: Any) -> Any:
+            if peer == 2 and tag % (1 << BLOCK_BITS) == NOTICE_TAG:
+                return None
+            return isend(payload, peer, ctx, tag, *rest)
+
+        engine.isend = no_notice_to_rank_2
 
     def body(team: Any) -> Any:
         if comm.rank == 1:

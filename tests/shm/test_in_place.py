@@ -176,3 +176,35 @@ def failing_everywhere(comm: tcoll.Communicator) -> list[str]:
 def test_ranks_that_all_fail_do_not_wait_for_each_other() -> None:
     for seen in tcoll.spawn(failing_everywhere, 3, timeout=35, transport="shm", shm_slot=SLOT):
         assert seen[0] in ("RuntimeError", "PeerFailedError") and seen[1] == "[6.0]", seen
+
+
+def rank_2_fails_before_writing(comm: tcoll.Communicator) -> int:
+    """Rank 2 fails the call after it lent its buffer, before it reduces (it cannot see the others' buffers), and
+    refills its buffer at once; the others write their parts into it all the same. The elements of rank 2's
+    buffer that a late write changed, once every rank has raised (0 on the others)."""
+    comm.timeout = 100.0  # (past the test's timeout: a rank that waited that long would fail the test)
+    if comm.rank == 2:
+        from tcoll.shm.lending import Lending
+
+        def cannot_map(self: Any, step: int, rank: int) -> Any:
+            raise tcoll.TcollError(f"injected: rank {rank}'s buffer cannot be mapped")
+
+        Lending.peer_source = cannot_map  # (this process only)
+    x = comm.empty(16 * COUNT, np.float32)
+    x[...] = 1
+    try:
+        comm.all_reduce(x, algorithm="shm")
+    except tcoll.TcollError:
+        pass
+    if comm.rank != 2:
+        comm.send(np.zeros(1), 2)  # (once this rank raised: its writes are over)
+        return 0
+    x[...] = 100
+    for peer in (0, 1):
+        comm.recv(np.zeros(1), peer)
+    return int(np.count_nonzero(x != 100))
+
+
+@pytest.mark.timeout(40)
+def test_a_rank_that_fails_before_writing_gets_no_late_write() -> None:
+    assert tcoll.spawn(rank_2_fails_before_writing, 3, timeout=35, transport="shm", shm_slot=SLOT) == [0, 0, 0]

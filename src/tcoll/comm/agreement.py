@@ -11,7 +11,10 @@ failure of a call on one rank, ends the call on every rank:
   (a small message on the call's own tags: no message on the way when all
   is well);
 - a rank still in the call fails it at once (MismatchError, or
-  PeerFailedError naming the rank whose part failed);
+  PeerFailedError naming the rank whose part failed), and passes that
+  failure on to the others: it may leave and close before the failing
+  rank's own notice reaches them (descheduled between its sends), and a
+  rank that saw it gone would raise the loss instead of the cause;
 - a rank that has not started it yet fails it as it starts;
 - a rank that already finished it (its part only sent, say) learns it from
   the notice or from the late message itself, and its next call raises.
@@ -31,15 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..algos.stamps import NOTICE, describe, disagreement
-from ..errors import (
-    MismatchError,
-    PeerFailedError,
-    PeerLostError,
-    TcollError,
-    fresh,
-    is_known_to_peers,
-    known_to_peers,
-)
+from ..errors import (MismatchError, PeerFailedError, PeerLostError, TcollError, fresh, is_known_to_peers,
+                      known_to_peers)
 from ..p2p.watch import BLOCK_BITS, NOTICE_TAG, BlockWatch
 from ..shm import express
 
@@ -211,12 +207,8 @@ class Agreement:
     def fail(self, running: Running, error: BaseException) -> None:
         """Call `running` failed here: forget it, drop its late messages, and tell the other ranks.
 
-        An error that came from another rank's notice is not told back, nor one
-        that every rank of the call learns by itself (tcoll.errors.known_to_peers).
-        A failure told by another rank is passed on to the rest: this rank may leave
-        and close before that rank's own notice reaches them (it may be descheduled
-        between its sends), and a rank that then saw this one gone would raise the
-        loss instead of the failure that caused it.
+        An error that came from another rank's notice is not told back (a failure is passed on: see the
+        module docstring), nor one that every rank of the call learns by itself (known_to_peers).
         """
         self.gate.shut()
         self.watch.calls.pop(running.sequence, None)
@@ -226,10 +218,9 @@ class Agreement:
         if len(self._failing) > 8:
             del self._failing[next(iter(self._failing))]
         self._raised(error, running.sequence)
-        if running.told is not error and not is_known_to_peers(error):
-            self.tell(running.sequence, running.stamp, error)
-        elif running.told is error and isinstance(error, PeerFailedError) and 0 <= error.rank < len(self.world):
-            self.tell(running.sequence, running.stamp, error, skip=self.world[error.rank])
+        told = getattr(error, "tcoll_told", False)  # another rank's notice (_error): not told back, but passed on
+        if isinstance(error, PeerFailedError) if told else running.told is not error and not is_known_to_peers(error):
+            self.tell(running.sequence, running.stamp, error, passed=told)
 
     def fail_unstarted(self, sequence: int, label: str, stamp: int, error: BaseException) -> None:
         """A call that failed on this rank before it could start (a bad argument, a notice): tell the others."""
@@ -240,8 +231,8 @@ class Agreement:
         self._raised(error, sequence)
         if is_known_to_peers(error):
             self._on_trouble()
-        else:
-            self.tell(sequence, stamp, error)
+        else:  # (another rank's failure, told before this call began here, is passed on as that rank's)
+            self.tell(sequence, stamp, error, passed=getattr(error, "tcoll_told", False))
 
     def close(self, linger: float = 0.0) -> BaseException | None:
         """Stop watching (the communicator closes); return a disagreement found and not raised yet.
@@ -284,18 +275,20 @@ class Agreement:
 
     # -- notices -----------------------------------------------------------------------
 
-    def tell(self, sequence: int, stamp: int, error: BaseException, skip: int = -1) -> None:
-        """Send every other rank (but world rank `skip`) a notice that call `sequence` failed here, and why (sends
-        are not waited for); a PeerFailedError is passed on as the failure of the rank it names."""
+    def tell(self, sequence: int, stamp: int, error: BaseException, passed: bool = False) -> None:
+        """Send every other rank a notice that call `sequence` failed here, and why (sends are not waited for);
+        `passed`: `error` is another rank's failure (a PeerFailedError from its notice), passed on as that
+        rank's to every rank but it."""
         self._on_trouble()
         if len(self.world) == 1 or self.engine.closed:
             return
-        if isinstance(error, MismatchError):  # the sentence after "call #k (...): " says it all
+        skip = -1
+        if passed and isinstance(error, PeerFailedError) and 0 <= error.rank < len(self.world):  # (its cause)
+            kind, said, skip = _PASSED, f"{error.rank}:{error.cause}", self.world[error.rank]
+        elif isinstance(error, MismatchError):  # the sentence after "call #k (...): " says it all
             kind, said = _MISMATCH, str(error).split(": ", 1)[-1]
         elif isinstance(error, PeerLostError):  # the cause is the lost rank, not the rank that saw it first
             kind, said = _LOST, f"{error.rank}:{error.detail}"
-        elif isinstance(error, PeerFailedError):  # another rank's failure: the cause is that rank
-            kind, said = _PASSED, f"{error.rank}:{error.cause}"
         else:
             kind, said = _FAILED, f"{type(error).__name__}: {error}"
         text = said.encode(errors="replace")[:_TEXT_BYTES]
@@ -428,6 +421,7 @@ class Agreement:
             text = payload[1 + _CAUSE.size:].decode(errors="replace")
             error = self._told_error(payload[:1], where, peer, text, mine, theirs)
             error.tcoll_cause = cause  # type: ignore[attr-defined]
+            error.tcoll_told = True  # type: ignore[attr-defined]  # (Agreement.fail: passed on, not told back)
             if isinstance(error, PeerLostError) and error.rank >= 0:
                 self.on_lost(error.rank)  # it is gone for this rank too, seen or not (failed() names it)
             return error

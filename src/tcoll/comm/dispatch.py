@@ -170,7 +170,12 @@ class Dispatcher:
             return result
         except BaseException as exc:
             cause = self._cause(running, exc)
+            arena = self.arena
+            if arena is not None:  # (before the others are told: a rank that waits for it need not wait long)
+                arena.leave(sequence)
             self._failed(sequence, call.label, call.stamp(None), running, cause)
+            if arena is not None:  # the others may still write into its buffer: see Lending.settle
+                arena.settle(sequence, cause)
             if cause is not exc:
                 raise fresh(cause) from exc  # (the cause is kept, as a notice's: not with this caller's frames)
             raise

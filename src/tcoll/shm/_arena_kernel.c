@@ -32,6 +32,8 @@
 #define SETS 2
 #define DESC_WORDS 8
 #define PROGRESS_LINE 64  /* bytes of a rank's progress line (streamed steps, below) */
+/* What Python relies on of the steps, numbered (tcoll.shm.kernel_abi): 2, step_split stops where a peer lent. */
+#define REVISION 2
 
 /* What run() and run_split() return: how far the call got (see tcoll.shm.arena.Arena.run_small). */
 enum { NOT_STARTED = 0, PUBLISHED = 1, DONE = 2, REDUCED = 3 };
@@ -1215,7 +1217,8 @@ static int add_shared(PyObject *m) {
     if (PyModule_AddObject(m, "OPS", op_names) < 0) goto fail;
     op_names = NULL;
     if (PyModule_AddIntConstant(m, "SETS", SETS) < 0 || PyModule_AddIntConstant(m, "DESC_WORDS", DESC_WORDS) < 0 ||
-        PyModule_AddIntConstant(m, "PROGRESS_LINE", PROGRESS_LINE) < 0)
+        PyModule_AddIntConstant(m, "PROGRESS_LINE", PROGRESS_LINE) < 0 ||
+        PyModule_AddIntConstant(m, "REVISION", REVISION) < 0)
         return -1;
     return PyModule_AddFunctions(m, shared_methods);
 fail:

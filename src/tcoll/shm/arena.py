@@ -97,6 +97,7 @@ class Arena(Lending):
         self.stamp, self.sequence, self.label = 0, 0, "collective"  # the call under way (see begin)
         self.first = 0  # its first step
         self.alarm: BaseException | None = None  # what the dispatcher learnt meanwhile: the wait raises it
+        self.writable = False  # this rank lent its buffer to the call under way, which may write into it (settle)
         # An express call that could not finish (tcoll.shm.express): sequence * 4 + the kernel's state, which
         # the call's run_small / run_split takes instead of running the kernel again; 0: none.
         self.pending = 0
@@ -214,7 +215,7 @@ class Arena(Lending):
 
     def begin(self, stamp: int, sequence: int, label: str) -> None:
         """Set the call the next steps belong to (the dispatcher does, before the algorithm runs)."""
-        self.stamp, self.sequence, self.label, self.alarm = stamp, sequence, label, None
+        self.stamp, self.sequence, self.label, self.alarm, self.writable = stamp, sequence, label, None, False
 
     def first_step(self, heap_ref: tuple[int, int, int] | None = None) -> int:
         """Claim the call's first step and describe the call (and this rank's zero-copy buffer) in it."""

@@ -143,7 +143,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
             return None
         want, split, root = call.collective == "all_reduce" or dispatcher.rank == call.root, \
             not one_step(flat.nbytes, arena), -1
-        if call.collective == "all_reduce" and flat.nbytes >= IN_PLACE_BYTES and \
+        if call.collective == "all_reduce" and split and flat.nbytes >= IN_PLACE_BYTES and \
                 arena.lend(flat.view(np.uint8), flat.nbytes) is not None:
             return None  # (it lends its buffer: Python's steps, in place where every rank lends)
     agreement = dispatcher.agreement

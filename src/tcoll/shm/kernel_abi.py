@@ -28,6 +28,9 @@ __all__ = ["DESC_WORDS", "KERNEL_DTYPES", "KERNEL_OPS", "PROGRESS_LINE", "SETS",
 SETS = 2  # slot sets: step k uses set k % SETS
 DESC_WORDS = 8  # per rank and set: call stamp (2 words), sequence, zero-copy buffer (heap id, offset, nbytes)
 PROGRESS_LINE = 64  # bytes per rank: the step it streams (+ 1) and its bytes written (the kernel's streamed steps)
+# What Python relies on of the kernel's steps, numbered (a kernel built before would load and be wrong): 2,
+# its split step stops where a peer lent its buffer (tcoll.shm.vector._reduce_split).
+REVISION = 2
 # What the C kernel reduces, by its codes; anything else is reduced in Python.
 KERNEL_DTYPES = {np.dtype(t): code for code, t in enumerate(
     (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -45,7 +48,8 @@ def check_kernel(module: Any) -> None:
         ImportError: naming every constant that differs, and how to rebuild.
     """
     ops = sorted((code, op.name) for op, code in KERNEL_OPS.items() if op is not AVG)  # (avg runs as a sum)
-    ours = {"SETS": SETS, "DESC_WORDS": DESC_WORDS, "PROGRESS_LINE": PROGRESS_LINE, "OPS": tuple(name for _, name in ops),
+    ours = {"SETS": SETS, "DESC_WORDS": DESC_WORDS, "PROGRESS_LINE": PROGRESS_LINE, "REVISION": REVISION,
+            "OPS": tuple(name for _, name in ops),
             "DTYPES": tuple(dtype.name for dtype in sorted(KERNEL_DTYPES, key=KERNEL_DTYPES.__getitem__))}
     check_exports(module, ours, "tcoll.shm.kernel_abi", "the Python code it serves")
 

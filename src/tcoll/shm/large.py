@@ -131,6 +131,8 @@ class _Pieces:
         part (unless lent), publish."""
         arena = self.arena
         step = arena.first_step(self.ref) if index == 0 else arena.claim()
+        if index == 0 and self.ref is not None and self.root is None:
+            arena.writable = True  # an all_reduce in place may write into it (all_reduce_in_place)
         if self.ref is None:
             copy_in_but_own_part(arena, arena.slot(arena.rank, step), self.raw[lo:hi], part)
         arena.publish(step)
@@ -173,7 +175,8 @@ def all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, 
     rank's buffer while it is in this rank's cache, then one step ends the call: once every rank has
     published it, every buffer holds every part and nobody reads or writes another's. This rank's part of
     another's buffer is read (its input) and written (the result) by this rank alone, so nothing overlaps.
-    If the call fails here, this rank first waits until nobody writes into its buffer (arena.settle).
+    A rank that lent its buffer to such a call and fails it waits, before it raises, until nobody writes into
+    its buffer any more (Lending.settle, from the dispatcher).
     Where some rank lent by its address instead (single copies, tcoll.shm.single_copy), which the others
     may read but not write, each rank publishes its part, reads the others' parts from their buffers into
     its own, and waits until nobody reads its own. The descriptors decide, alike on every rank.
@@ -181,15 +184,10 @@ def all_reduce_in_place(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, 
     size, me = arena.size, arena.rank
     sources = [None if q == me else arena.peer_source(step, q) for q in range(size)]
     push = arena.all_lent(step, mapped=True)
+    _reduce_lent_part(arena, raw, dtype, op, sources, push)
     reduced = arena.skip()
-    try:
-        _reduce_lent_part(arena, raw, dtype, op, sources, push)
-        arena.publish(reduced)
-        arena.wait_all(reduced)
-    except BaseException:
-        if push:
-            arena.settle(reduced)
-        raise
+    arena.publish(reduced)
+    arena.wait_all(reduced)
     if push:
         return
     count = raw.nbytes // dtype.itemsize

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PeerLostError, TcollError
+from ..errors import PeerLostError, TcollError, TimeoutError
 
 from . import single_copy
 
@@ -22,7 +22,7 @@ __all__ = ["Lending", "ZERO_COPY_BYTES"]
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
 # Words of a rank's descriptors that no call writes: set 0's hold its pid and the address of that word in its
 # own memory, set 1's its verdict on single copies (0: not yet, 1: it reads every peer, 2: it cannot) and the
-# step after which it writes into no other rank's buffer, having failed (settle).
+# sequence number of the last call it left, having failed it (leave).
 _PID_WORD, _ADDRESS_WORD, _VERDICT_WORD, _CAN, _CANNOT, _QUIT_WORD = 6, 7, 6, 1, 2, 7  # (_CAN, _CANNOT: verdicts)
 _SINGLE_COPY_FLAG = 1 << 63  # a descriptor's heap-id word with this bit: the buffer is read by single copies
 
@@ -39,8 +39,11 @@ class Lending:
     single_copy: bool
     label: str
     sequence: int
+    first: int
+    writable: bool
     _desc: Any
     _counters: Any
+    _segment: Any
     _desc_address: int
     _scratch: np.ndarray | None
     _world: list[int]
@@ -144,31 +147,44 @@ class Lending:
             self.wait_all(step)
 
 
-    # -- a failed call that wrote into the others' buffers ------------------------------
+    # -- a failed call that may write into the others' buffers --------------------------
 
-    def settle(self, step: int) -> None:
-        """Before this rank raises from a call that wrote into the others' buffers until `step` (they publish it
-        once done): say it writes no more, then wait until no other rank writes into its buffer (each published
-        `step`, said so too, or was lost), at most the timeout.
+    def leave(self, sequence: int) -> None:
+        """Say that this rank is out of call `sequence` (it failed here): it writes into no other rank's buffer
+        any more, and waits for none (settle). Every failed call says so, whatever ran it."""
+        if self._segment is None:  # (closed meanwhile)
+            return
+        self._desc[self._desc_at(1, self.rank) + _QUIT_WORD] = sequence
+        self._ring()
+
+    def settle(self, sequence: int, error: BaseException) -> None:
+        """If this rank lent its buffer to call `sequence`, which failed here with `error` and may write into it
+        (all_reduce_in_place): wait until no other rank writes into it any more (each published the step after
+        the call's first, where its writes end, left the call, or was lost), at most the timeout.
 
         Otherwise a caller that refills its buffer at once could have a late write of this call land in the
-        input of its next call. The words it says so in lie in this arena, which a failed call retires.
+        input of its next call. After a timeout it does not wait again: the ranks it waited for are stuck.
+        The words that say who left lie in this arena, which a failed call retires.
         """
-        self._desc[self._desc_at(1, self.rank) + _QUIT_WORD] = step + 1
-        self._ring()
+        if not self.writable or isinstance(error, TimeoutError) or self._segment is None:
+            return
+        done = self.first + 2  # a rank's counter once it published the first step's next (its writes are over)
         gone: set[int] = set()
 
         def writing() -> list[int]:
-            return [q for q in range(self.size) if q != self.rank and q not in gone and self._counters[q] <= step
-                    and self._desc[self._desc_at(1, q) + _QUIT_WORD] != step + 1]
+            return [q for q in range(self.size) if q != self.rank and q not in gone and self._counters[q] < done
+                    and self._desc[self._desc_at(1, q) + _QUIT_WORD] != sequence]
 
         engine = self._engine
         deadline = time.monotonic() + self.timeout
-        while writing() and time.monotonic() < deadline:
-            for q in writing():
-                try:
-                    engine.probe_peers([self._world[q]])
-                except PeerLostError:
-                    gone.add(q)
-            engine.block_unless(lambda: not writing(),
-                                max(0.0, min(engine.settings.liveness_interval, deadline - time.monotonic())))
+        try:
+            while writing() and time.monotonic() < deadline and not engine.closed:
+                for q in writing():
+                    try:
+                        engine.probe_peers([self._world[q]])
+                    except PeerLostError:
+                        gone.add(q)
+                engine.block_unless(lambda: not writing(),
+                                    max(0.0, min(engine.settings.liveness_interval, deadline - time.monotonic())))
+        except TcollError:  # (the engine failed meanwhile: `error` is what the caller gets)
+            return

@@ -23,7 +23,8 @@ synchronisation.
 No buffer is lent (the stand-in has no heap): the schedule is that of buffers
 outside shared memory, which go through the slots; a buffer from
 `Communicator.empty` is read in place instead, and the calls large enough to
-lend take their closing step all the same.
+lend take their closing step all the same (an all_reduce whose every rank lent
+goes in place instead, tcoll.shm.large.all_reduce_in_place: not recorded).
 """
 
 from __future__ import annotations

@@ -195,6 +195,8 @@ def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
         step = arena.first_step(lent)
         if lent is None:
             copy_in_but_own_part(arena, arena.slot(arena.rank, step), raw, (a, b))
+        else:
+            arena.writable = True  # an all_reduce in place may write into it (all_reduce_in_place)
         arena.publish(step)
     if state != REDUCED:
         arena.agree(arena.first)
