@@ -1,5 +1,5 @@
-"""All_reduces from IN_PLACE_BYTES whose every rank lent its buffer (comm.empty): each rank reduces its part
-of every rank's input and writes the result into every rank's buffer (tcoll.shm.large.all_reduce_in_place).
+"""All_reduces from tcoll.shm.large.in_place_bytes whose every rank lent its buffer (comm.empty): each rank
+reduces its part of every rank's input and writes the result into every rank's buffer (all_reduce_in_place).
 
 Every result is NumPy's over every rank's input, on every rank, after the call's two steps, for calls
 larger than a slot and within one; a call right after it, with fresh data, sees none of the last call's
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 import tcoll
-from tcoll.shm.large import IN_PLACE_BYTES
+from tcoll.shm.large import IN_PLACE_BYTES_SHARED
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 SLOT = 64 << 10  # each rank reduces its part in many scratch-sized pieces (64 KiB)
 COUNT = 300_001  # float32 elements: above a slot, parts of uneven length
-BIG_SLOT = 1 << 20
-WITHIN = IN_PLACE_BYTES + 4099 * 8  # bytes of a call within BIG_SLOT that goes in place
+BIG_SLOT = 4 << 20
+WITHIN = IN_PLACE_BYTES_SHARED + 4099 * 8  # bytes of a call within BIG_SLOT that goes in place (any rank count)
 
 
 def _data(rank: int, count: int, dtype: Any, salt: int = 0) -> np.ndarray:

@@ -108,6 +108,7 @@ class Arena(Lending):
         spin = engine.spin  # the C kernel polls at most this long (then Python waits, as _wait does)
         self.kernel_spin_ns = int((spin.max_s if spin.oversubscribed else spin.fast_s) * 1e9)
         self.kernel_yields = spin.oversubscribed
+        self.oversubscribed = spin.oversubscribed  # its host's ranks outnumber its cores (tcoll.shm.large)
 
     def _make_kernel(self, buf: Any, desc_at: int, data_at: int) -> Any:
         """The C kernel of the small reduction step over this mapping, or None (not built, no futex, or off)."""

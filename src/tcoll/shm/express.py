@@ -101,7 +101,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     Only an all_reduce or reduce that runs on the arena's one-step or split kernel takes it (a
     NumPy array that is the call's own buffer, a built-in op the kernel reduces in the array's
     dtype, a result that needs no finishing: avg divides, Python does; at most one slot; an all_reduce's
-    buffer not lent: tcoll.shm.large.IN_PLACE_BYTES), or a
+    buffer not lent: tcoll.shm.large.in_place_bytes), or a
     broadcast of such an array in the kernel's one step (where root's buffer is not lent); the block
     collectives and scatter have their own conditions (_build_blocks, _build_scatter).
 
@@ -113,7 +113,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
     from .bridge import kernel_codes
     from .arena import ZERO_COPY_BYTES
     from .bridge import may_fail
-    from .large import IN_PLACE_BYTES
+    from .large import in_place_bytes
     from .vector import one_step
 
     call = prepared.call
@@ -143,7 +143,7 @@ def build(dispatcher: Any, prepared: Any, x: Any) -> Any:
             return None
         want, split, root = call.collective == "all_reduce" or dispatcher.rank == call.root, \
             not one_step(flat.nbytes, arena), -1
-        if call.collective == "all_reduce" and split and flat.nbytes >= IN_PLACE_BYTES and \
+        if call.collective == "all_reduce" and split and flat.nbytes >= in_place_bytes(arena) and \
                 arena.lend(flat.view(np.uint8), flat.nbytes) is not None:
             return None  # (it lends its buffer: Python's steps, in place where every rank lends)
     agreement = dispatcher.agreement

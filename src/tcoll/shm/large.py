@@ -20,12 +20,19 @@ from .arena import Arena
 from .bridge import copy_bytes, kernel_codes, may_fail, reduce_into, run_phases
 
 __all__ = ["own_part", "copy_in_but_own_part", "reduce_own_part", "copy_other_parts", "reduce_large",
-           "all_reduce_in_place", "IN_PLACE_BYTES"]
+           "all_reduce_in_place", "in_place_bytes", "IN_PLACE_BYTES", "IN_PLACE_BYTES_SHARED"]
 
 # An all_reduce that fits a slot lends its buffer from this size, and goes on in place if every rank did; below it
-# the slots' three steps in C are faster than the in-place path's Python (measured on 2 and 4 ranks: 256 KiB
-# ties, 512 KiB wins 1.2-1.5x; docs/performance.md).
+# the slots' three steps in C are faster than the in-place path's Python (2-core Xeon, 2 ranks: 256 KiB ties,
+# 512 KiB-1 MiB win 1.8-2.6x). Where ranks outnumber cores, from the larger size: 3 and 5 ranks on 2 cores ran
+# 512 KiB-1 MiB 1.2-1.8x slower in place (4, 6 and 8 ran faster), 2 MiB faster at every count (docs/performance.md).
 IN_PLACE_BYTES = 512 << 10
+IN_PLACE_BYTES_SHARED = 2 << 20
+
+
+def in_place_bytes(arena: Arena) -> int:
+    """From how many bytes an all_reduce that fits a slot lends its buffer (IN_PLACE_BYTES, or _SHARED)."""
+    return IN_PLACE_BYTES_SHARED if arena.oversubscribed else IN_PLACE_BYTES
 
 
 def own_part(arena: Arena, nbytes: int, dtype: np.dtype) -> tuple[int, int]:

@@ -99,7 +99,7 @@ class RecordingArena:
 
     Attributes:
         rank, size, slot_bytes, piece_bytes, step, first, heap (None: nothing is lent), kernel (None), pending (0),
-            as on Arena.
+            oversubscribed (False), as on Arena.
         seen: per rank, the highest step this rank waited for it to publish (-1: none).
         published: the steps this rank published, so far.
     """
@@ -113,6 +113,7 @@ class RecordingArena:
         self.heap = None
         self.kernel = None  # the schedule is the one the Python steps (which the C kernel mirrors) take
         self.pending = 0  # (no express call left a kernel state)
+        self.oversubscribed = False
         self.timeout = 0.0
         self.seen = [-1] * self.size
         self.published = 0

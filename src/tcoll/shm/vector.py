@@ -33,7 +33,7 @@ from .arena import KERNEL_DTYPES, KERNEL_OPS, ZERO_COPY_BYTES, Arena, kernel_mod
 from . import express
 from .express import NOTHING
 from .bridge import combine_all, copy_bytes, kernel_codes, may_fail, run_phases
-from .large import (IN_PLACE_BYTES, all_reduce_in_place, copy_in_but_own_part, copy_other_parts, own_part,
+from .large import (all_reduce_in_place, in_place_bytes, copy_in_but_own_part, copy_other_parts, own_part,
                     reduce_large, reduce_own_part)
 
 DONE, PUBLISHED, REDUCED = ((kernel_module.DONE, kernel_module.PUBLISHED, kernel_module.REDUCED)
@@ -179,13 +179,14 @@ def _reduce_split(arena: Arena, buf: np.ndarray, op: Op, root: int | None) -> No
     runs the steps when it is built and takes the dtype and op; where it stops (a late peer, a
     descriptor that differs, a peer that lent), Python goes on.
 
-    An all_reduce of IN_PLACE_BYTES or more lends a buffer that lies in shared memory (comm.empty)
+    An all_reduce of in_place_bytes or more lends a buffer that lies in shared memory (comm.empty)
     instead of copying it in: if every rank did, the call goes on in place after its first step
     (all_reduce_in_place); else the others read a lender's input in its buffer.
     """
     want = root is None or arena.rank == root
     raw = _raw(buf)
-    lent = None if arena.pending or root is not None or raw.nbytes < IN_PLACE_BYTES else arena.lend(raw, raw.nbytes)
+    lent = None if arena.pending or root is not None or raw.nbytes < in_place_bytes(arena) else \
+        arena.lend(raw, raw.nbytes)
     codes = kernel_codes(arena, buf.dtype, op) if lent is None else None
     state = 0 if codes is None else arena.run_split(buf, *codes, want)  # 0: kernel_module.NOT_STARTED
     if state == DONE:
