@@ -218,9 +218,10 @@ class Agreement:
         if len(self._failing) > 8:
             del self._failing[next(iter(self._failing))]
         self._raised(error, running.sequence)
-        told = getattr(error, "tcoll_told", False)  # another rank's notice (_error): not told back, but passed on
-        if isinstance(error, PeerFailedError) if told else running.told is not error and not is_known_to_peers(error):
-            self.tell(running.sequence, running.stamp, error, passed=told)
+        told = running.told is error or (getattr(error, "tcoll_told", False)  # a notice of this call (_error)
+                                         and getattr(error, "tcoll_cause", -1) == running.sequence)
+        if not is_known_to_peers(error) and (isinstance(error, PeerFailedError) if told else True):
+            self.tell(running.sequence, running.stamp, error, passed=told)  # (a late one: this call's failure)
 
     def fail_unstarted(self, sequence: int, label: str, stamp: int, error: BaseException) -> None:
         """A call that failed on this rank before it could start (a bad argument, a notice): tell the others."""
@@ -231,8 +232,8 @@ class Agreement:
         self._raised(error, sequence)
         if is_known_to_peers(error):
             self._on_trouble()
-        else:  # (another rank's failure, told before this call began here, is passed on as that rank's)
-            self.tell(sequence, stamp, error, passed=getattr(error, "tcoll_told", False))
+        else:  # (an earlier call's failure raised here: every rank fails this call with it, its origin too)
+            self.tell(sequence, stamp, error)
 
     def close(self, linger: float = 0.0) -> BaseException | None:
         """Stop watching (the communicator closes); return a disagreement found and not raised yet.
