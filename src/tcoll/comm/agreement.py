@@ -218,8 +218,7 @@ class Agreement:
         if len(self._failing) > 8:
             del self._failing[next(iter(self._failing))]
         self._raised(error, running.sequence)
-        told = running.told is error or (getattr(error, "tcoll_told", False)  # a notice of this call (_error)
-                                         and getattr(error, "tcoll_cause", -1) == running.sequence)
+        told = running.told is error or getattr(error, "tcoll_told", False) and error.tcoll_cause == running.sequence
         if not is_known_to_peers(error) and (isinstance(error, PeerFailedError) if told else True):
             self.tell(running.sequence, running.stamp, error, passed=told)  # (a late one: this call's failure)
 
