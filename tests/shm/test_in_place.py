@@ -131,11 +131,18 @@ def failing_on_rank_1(comm: tcoll.Communicator) -> list[str]:
             raise RuntimeError("the op refuses on rank 1")
         return a + b
 
-    x = comm.empty(16 * COUNT, np.float32)  # the others write into rank 1's buffer long after its op raised
+    # a large buffer: the others write into rank 1's long after its op raised
+    return _fail_then_refill(comm, tcoll.Op(add_unless_rank_1), 16 * COUNT)
+
+
+def _fail_then_refill(comm: tcoll.Communicator, op: tcoll.Op, count: int) -> list[str]:
+    """An all_reduce with `op` on a comm.empty buffer of `count` float32, then, refilled at once, an ordinary
+    one: the first's error type (or "ok") and the values the second left."""
+    x = comm.empty(count, np.float32)
     x[...] = 1
     seen = []
     try:
-        comm.all_reduce(x, tcoll.Op(add_unless_rank_1), algorithm="shm")
+        comm.all_reduce(x, op, algorithm="shm")
         seen.append("ok")
     except (tcoll.TcollError, RuntimeError) as exc:
         seen.append(type(exc).__name__)
@@ -159,17 +166,7 @@ def failing_everywhere(comm: tcoll.Communicator) -> list[str]:
     def refuse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise RuntimeError(f"the op refuses on rank {comm.rank}")
 
-    x = comm.empty(COUNT, np.float32)
-    seen = []
-    try:
-        comm.all_reduce(x, tcoll.Op(refuse), algorithm="shm")
-        seen.append("ok")
-    except (tcoll.TcollError, RuntimeError) as exc:
-        seen.append(type(exc).__name__)
-    x[...] = comm.rank + 1
-    comm.all_reduce(x, algorithm="shm")
-    seen.append(str(np.unique(x).tolist()))
-    return seen
+    return _fail_then_refill(comm, tcoll.Op(refuse), COUNT)
 
 
 @pytest.mark.timeout(40)
