@@ -20,11 +20,7 @@ import numpy as np
 
 import tcoll
 from tcoll.bench.machine import describe_machine
-
-
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+from tcoll.env import parse_size
 
 
 def _best(comm: tcoll.Communicator, body, repeats: int, calls: int) -> float:
@@ -76,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     comm = tcoll.init()
     rows = []
-    for nbytes in (_size(text) for text in args.sizes.split(",")):
+    for nbytes in (parse_size(text) for text in args.sizes.split(",")):
         for buffers in args.buffers.split(","):
             rows.append((nbytes, buffers, measure(comm, nbytes, buffers, args.repeats)))
     if comm.rank == 0:
