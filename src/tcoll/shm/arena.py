@@ -185,7 +185,11 @@ class Arena(Lending):
     def publish(self, step: int) -> None:
         """Say this rank wrote its part of `step` and read everything before it; wake sleepers."""
         self._counters[self.rank] = step + 1
-        self._ring()
+        _fence_acquire()  # _ring(), inline: every Python step passes here
+        _fence_release()
+        for bell in self._bells:
+            if bell.sleepers:
+                bell.wake()
 
     def _ring(self) -> None:
         """Make this rank's last word visible, then wake the ranks that sleep."""
