@@ -62,7 +62,6 @@ class _Reporter:
         self.lock = threading.Lock()
         self.watched: list[_Watched] = []
         self.wake = threading.Event()
-        self.threads: frozenset[int | None] = frozenset()  # the threads at the last look at their frames
         self.thread = threading.Thread(target=self._loop, name="tcoll-status", daemon=True)
         self.thread.start()
 
@@ -76,14 +75,13 @@ class _Reporter:
                     if _reporter is self:
                         _reporter = None
                     return
-            frames = _Frames(self)
+            frames = _Frames()
             with self.lock:  # forget() waits: a closed rank's file is never written again after it is removed
                 for entry in self.watched:
                     try:
                         self._report(entry, frames)
                     except Exception:  # noqa: BLE001 - reporting must never disturb the job
                         continue
-            frames.settle()
             del frames
 
     def _report(self, entry: _Watched, frames: _Frames) -> None:
@@ -94,7 +92,7 @@ class _Reporter:
         progress = (tuple((c["sequence"], (c["call"] or {}).get("sequence")) for c in comms),
                     getattr(engine.waiting, "what", None))
         # The stack only of a rank that made no progress since the last tick (it may hang): a moving rank's
-        # line is not needed, and every look at another thread's frames risks CPython 3.11's frame races.
+        # line is not needed, and a look at every thread's stack costs a dump of them all.
         asked = entry.dump is not None and self._asked(entry)
         frame = _thread_of(engine.rank, frames.get()) if progress == entry.progress or asked else None
         entry.progress = progress
@@ -141,27 +139,19 @@ class _Reporter:
 
 
 class _Frames:
-    """Every thread's current frame, looked at most once a tick and only when asked (see _Reporter._report).
+    """Every thread's current stack, looked at most once a tick and only when asked (see _Reporter._report).
 
-    A tick when threads started or ended since the last look gets none: a thread being made or unmade
-    is where CPython 3.11's look at other threads' frames has crashed (seen once, with 16 thread ranks).
-    What it keeps are copies (status.thread_frames), never the frames themselves: a tick reads them across
-    the writes of every rank's file, while the threads run on (a crash seen once in a full test run).
+    What it keeps are copies (status.thread_frames, from faulthandler's dump), never frame objects: a tick
+    reads them across the writes of every rank's file, while the threads run on.
     """
 
-    def __init__(self, reporter: _Reporter) -> None:
-        self._reporter, self._frames = reporter, None
-        self._threads = frozenset(thread.ident for thread in threading.enumerate())
+    def __init__(self) -> None:
+        self._frames: dict[int, Any] | None = None
 
     def get(self) -> dict[int, Any]:
         if self._frames is None:
-            steady = self._threads == self._reporter.threads
-            self._frames = status.thread_frames() if steady else {}
+            self._frames = status.thread_frames()
         return self._frames
-
-    def settle(self) -> None:
-        """Remember this tick's threads, looked at or not: the next tick may look if none came or went."""
-        self._reporter.threads = self._threads
 
 
 _reporter: _Reporter | None = None

@@ -16,11 +16,13 @@ only this user can read:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import re
 import stat
-import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -230,12 +232,7 @@ class _Code:
 
 
 class FrameSnapshot:
-    """A frame's file, function and line, copied: read like a frame (f_code, f_lineno, f_back), but inert.
-
-    CPython 3.11 can crash when one thread walks another's frame objects after that thread ran on (its
-    frames popped and their memory reused: cpython#111363). A snapshot is copied at once and never points
-    into another thread's stack, so it may be read at leisure, across I/O and GIL switches.
-    """
+    """A frame's file, function and line, copied: read like a frame (f_code, f_lineno, f_back), but inert."""
 
     __slots__ = ("f_code", "f_lineno", "f_back")
 
@@ -243,31 +240,46 @@ class FrameSnapshot:
         self.f_code, self.f_lineno, self.f_back = code, lineno, back
 
 
-def snapshot(frame: FrameType | None, depth: int = 128) -> FrameSnapshot | None:
-    """Copies of the innermost `depth` frames of the stack that ends in `frame` (None for None)."""
-    copied = []
-    while frame is not None and len(copied) < depth:
-        code = frame.f_code
-        copied.append((code.co_filename, code.co_name, frame.f_lineno or 0))
-        frame = frame.f_back
-    back = None
-    for filename, name, lineno in reversed(copied):
-        back = FrameSnapshot(_Code(filename, name), lineno, back)
-    return back
+_DUMP_THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-fA-F]+) ")
+_DUMP_FRAME = re.compile(r'^  File "(.*)", line (\d+|\?+) in (.*)$')
 
 
 def thread_frames() -> dict[int, FrameSnapshot | None]:
-    """Every thread's current stack, by thread id, as snapshots copied in one stretch.
+    """Every thread's current stack, by thread id, as snapshots (the innermost 100 frames of each).
 
-    The interpreter's switch interval is raised while they are copied, so that no other thread runs (and
-    pops the frames being read) in the middle; nothing in the copy blocks.
+    The stacks come from faulthandler's dump, which reads the interpreter's frames in C under the GIL and
+    makes no frame object. Walking other threads' frame objects (sys._current_frames, f_back) has crashed
+    CPython 3.11 in this reporter three times, each time after a mitigation (cpython#99110, #111363): a
+    thread's frames are popped and reused under the walker.
     """
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(max(interval, 1.0))
-    try:
-        frames = sys._current_frames()
-        copied = {ident: snapshot(frame) for ident, frame in frames.items()}
-        del frames
-    finally:
-        sys.setswitchinterval(interval)
+    return _parse_dump(_dump_threads())
+
+
+def _dump_threads() -> str:
+    """faulthandler's dump of every thread's stack, as text."""
+    out = os.fdopen(os.memfd_create("tcoll-frames"), "w+b") if hasattr(os, "memfd_create") else \
+        tempfile.TemporaryFile()
+    with out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.seek(0)
+        return out.read().decode("utf-8", "backslashreplace")
+
+
+def _parse_dump(text: str) -> dict[int, FrameSnapshot | None]:
+    """faulthandler's dump as snapshots by thread id (innermost frame first, as the dump lists them)."""
+    stacks: dict[int, list[tuple[str, int, str]]] = {}
+    frames: list[tuple[str, int, str]] = []
+    for line in text.splitlines():
+        thread, frame = _DUMP_THREAD.match(line), _DUMP_FRAME.match(line)
+        if thread:
+            frames = stacks.setdefault(int(thread.group(1), 16), [])
+        elif frame:
+            filename, lineno, name = frame.groups()
+            frames.append((filename, int(lineno) if lineno.isdigit() else 0, name))
+    copied = {}
+    for ident, stack in stacks.items():
+        back = None
+        for filename, lineno, name in reversed(stack):
+            back = FrameSnapshot(_Code(filename, name), lineno, back)
+        copied[ident] = back
     return copied
