@@ -25,7 +25,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["unavailable", "namespace_hosts", "NamespaceHosts", "wait_all"]
+__all__ = ["unavailable", "namespace_hosts", "NamespaceHosts", "wait_all", "GROUP"]
+
+GROUP = "namespace-hosts"  # the xdist group of every test that makes hosts: one worker runs them, one at a time
 
 _SRC = str(Path(__file__).resolve().parents[2] / "src")
 _TESTS = str(Path(__file__).resolve().parents[1])

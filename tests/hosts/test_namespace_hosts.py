@@ -23,7 +23,10 @@ from tcoll.bench.compare import mpiexec as find_mpiexec
 
 WORKER = str(Path(__file__).with_name("host_worker.py"))
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+# One worker runs every test that builds namespace hosts (scripts/test runs the suite on pytest-xdist workers
+# with --dist loadgroup): two bridges on the same random subnet would route each other's traffic.
+pytestmark = [pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
+              pytest.mark.xdist_group(netns.GROUP)]
 
 
 def _run_job(tmp_path: Path, nhosts: int, nprocs: int, extra: list[str], timeout: float,

@@ -283,6 +283,7 @@ TWO_HOSTS = """
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+@pytest.mark.xdist_group(netns.GROUP)
 def test_a_job_on_two_hosts_is_reported_whole_by_node_0(tmp_path: Path) -> None:
     # Two namespace-hosts of two ranks each, each host with its own directory of published states (the hosts
     # share /tmp here, unlike real ones): node 0's report, and `tcoll status` on node 0's host, show host 1's rows
