@@ -131,10 +131,11 @@ class Settings:
         shm_kernel: "auto": the arena's steps of reductions, and blocking sends and receives between
             ranks of one host, run in the package's C kernels where they were built; "off": always
             in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
-        shm_single_copy: "on": a shared-memory all_reduce larger than a slot reads the other ranks' arrays in
-            place, one kernel copy (process_vm_readv), where every rank of the host may; "off" (the default,
-            faster on the CPUs measured: docs/performance.md): it copies them through the arena's slots
-            (TCOLL_SHM_SINGLE_COPY).
+        shm_single_copy: where every rank of the host may read every other's memory (process_vm_readv,
+            probed when the arena opens), "auto" (the default): a shared-memory all_gather or all_to_all of
+            1 MiB or more reads the other ranks' arrays where they lie, one kernel copy instead of two through
+            the arena's slots; "on": an all_reduce larger than a slot too (not faster on the CPUs measured:
+            docs/performance.md); "off": every byte through the slots (TCOLL_SHM_SINGLE_COPY).
         auth_key: shared secret; when set, every TCP connection is authenticated with
             an HMAC challenge before any message is read from it (TCOLL_AUTH_KEY).
         gpu: how calls move CUDA buffers, ordered on the caller's stream (TCOLL_GPU): "staging" through
@@ -165,7 +166,7 @@ class Settings:
     shm_slot: int = -1
     shm_one_step: int = -1
     shm_kernel: str = "auto"
-    shm_single_copy: str = "off"
+    shm_single_copy: str = "auto"
     algorithms: str = ""
     gpu: str = "auto"
     tcp_dead_after: float = 5.0
@@ -257,8 +258,8 @@ class Settings:
             raise ValueError(f"shm_one_step must be a byte count (or -1, the default), not {self.shm_one_step}")
         if self.shm_kernel not in ("auto", "off"):
             raise ValueError(f"shm_kernel must be 'auto' or 'off', not {self.shm_kernel!r}")
-        if self.shm_single_copy not in ("on", "off"):
-            raise ValueError(f"shm_single_copy must be 'on' or 'off', not {self.shm_single_copy!r}")
+        if self.shm_single_copy not in ("auto", "on", "off"):
+            raise ValueError(f"shm_single_copy must be 'auto', 'on' or 'off', not {self.shm_single_copy!r}")
         if self.gpu not in GPU_CHOICES:
             raise ValueError(f"gpu (TCOLL_GPU) must be one of {GPU_CHOICES}, not {self.gpu!r}")
         if self.bind not in ("auto", "none"):

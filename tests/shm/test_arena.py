@@ -121,16 +121,17 @@ def test_addresses_round_trip_and_an_empty_one_means_failure() -> None:
     named = Segment("/dev/shm/tcoll-x-0-arenaabc", 0, None)
     encoded = address_module.encode_address(1 << 20, 16 << 10, 256 << 10, named)
     assert encoded.size == address_module.ADDRESS_BYTES
-    assert address_module.decode_address(encoded) == (1 << 20, 16 << 10, 256 << 10, False,
+    assert address_module.decode_address(encoded) == (1 << 20, 16 << 10, 256 << 10, "off",
                                                       "/dev/shm/tcoll-x-0-arenaabc", None)
-    tried = address_module.encode_address(1 << 20, 16 << 10, 1 << 20, named, single_copy=True)
-    assert address_module.decode_address(tried) == (1 << 20, 16 << 10, 1 << 20, True, "/dev/shm/tcoll-x-0-arenaabc",
-                                                    None)
+    for mode in ("on", "auto"):
+        tried = address_module.encode_address(1 << 20, 16 << 10, 1 << 20, named, single_copy=mode)
+        assert address_module.decode_address(tried) == (1 << 20, 16 << 10, 1 << 20, mode,
+                                                        "/dev/shm/tcoll-x-0-arenaabc", None)
     # the longest: a 64-character run id, a memfd's /proc path and its name
     memfd = Segment(f"/proc/{2**22}/fd/1048576", 0, None)
     memfd.name = segments.segment_name("r" * 64, 4095, "arena" + "f" * 12)
-    found = address_module.decode_address(address_module.encode_address(1 << 40, 1 << 40, 1 << 40, memfd, True))
-    assert found == (1 << 40, 1 << 40, 1 << 40, True, memfd.path, memfd.name)
+    found = address_module.decode_address(address_module.encode_address(1 << 40, 1 << 40, 1 << 40, memfd, "auto"))
+    assert found == (1 << 40, 1 << 40, 1 << 40, "auto", memfd.path, memfd.name)
     assert address_module.decode_address(np.zeros(address_module.ADDRESS_BYTES, dtype=np.uint8)) is None
 
 

@@ -1,5 +1,5 @@
 """Large all_reduces that read the other ranks' arrays in place, one kernel copy each (tcoll.shm.single_copy,
-TCOLL_SHM_SINGLE_COPY=on).
+TCOLL_SHM_SINGLE_COPY=on; the all_gathers and all_to_alls that do by default: test_single_copy_blocks.py).
 
 Every result is NumPy's over every rank's input; the ranks take the single-copy path only if all can, and a
 disagreement on the call is still a MismatchError on every rank before any data is read.
@@ -42,7 +42,7 @@ def _reduce_and_check(comm: tcoll.Communicator, count: int, dtype: Any, op: str,
         the_op = tcoll.Op(lambda a, b: b.copy(), commutative=False, name="right")
     comm.all_reduce(x, the_op, algorithm="shm")
     want = _expected(comm.size, count, dtype, op)
-    return {"right": bool(np.array_equal(x, want)), "single_copy": comm.core.dispatch.arena.single_copy}
+    return {"right": bool(np.array_equal(x, want)), "single_copy": comm.core.dispatch.arena.reduce_by_single_copy}
 
 
 def every_case(comm: tcoll.Communicator) -> list[dict[str, Any]]:
@@ -89,8 +89,10 @@ def test_one_rank_that_cannot_read_keeps_every_rank_on_the_arena() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_off_by_default_keeps_every_rank_on_the_arena() -> None:
-    reports = tcoll.spawn(_reduce_and_check, 2, (COUNT, np.float32, "sum", False), timeout=50, transport="shm")
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_all_reduce_stays_on_the_arena_unless_on(setting: str) -> None:
+    reports = tcoll.spawn(_reduce_and_check, 2, (COUNT, np.float32, "sum", False), timeout=50, transport="shm",
+                          shm_single_copy=setting)
     assert reports == [{"right": True, "single_copy": False}] * 2
 
 

@@ -65,7 +65,7 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
         try:
             segment = create_segment(dispatcher.run_id, engine.rank, dispatcher.size, slot, engine.host_shares_pids)
             piece = agreed_piece(slot, engine.spin.oversubscribed)
-            address = encode_address(slot, one_step, piece, segment, engine.settings.shm_single_copy == "on")
+            address = encode_address(slot, one_step, piece, segment, engine.settings.shm_single_copy)
         except TransportError as exc:
             failure = exc  # the others learn it from the empty address
     try:
@@ -82,8 +82,8 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
             segment = open_segment(path, name)
         arena = Arena(engine, dispatcher.world, dispatcher.rank, segment, slot, heap_of(engine, dispatcher.run_id),
                       one_step, piece)
-        if single_copy:  # rank 0 tries them (TCOLL_SHM_SINGLE_COPY=on there): this rank's setting has its say
-            arena.write_identity(engine.settings.shm_single_copy == "on" and engine.host_shares_pids)
+        if single_copy != "off":  # rank 0 tries them (its TCOLL_SHM_SINGLE_COPY): this rank's setting has its say
+            arena.write_identity(engine.settings.shm_single_copy != "off" and engine.host_shares_pids)
         _arena_barrier(dispatcher, team, opening, running)
     except BaseException:
         if arena is not None:
@@ -92,8 +92,9 @@ def open_arena(dispatcher: Dispatcher, team: Team, description: str, running: Ru
     finally:
         if dispatcher.rank == 0 and segment is not None:
             segment.unlink()
-    if single_copy:  # (every rank alike: rank 0's word)
+    if single_copy != "off":  # (every rank alike: rank 0's word)
         _decide_single_copy(dispatcher, team, opening, running, arena)
+        arena.reduce_by_single_copy = arena.single_copy and single_copy == "on"
     return arena
 
 

@@ -79,23 +79,27 @@ def open_segment(path: str, name: str | None) -> Segment:
     return Segment.open(path, name)
 
 
-def encode_address(slot: int, one_step: int, piece: int, segment: Segment, single_copy: bool = False) -> np.ndarray:
-    """The ADDRESS_BYTES rank 0 broadcasts: slot size, one-step limit, piece size, whether to try single copies,
-    path and memfd name of `segment` (all zero: it failed). Every rank takes rank 0's slot, limit, piece and
-    try, so the ranks' settings cannot disagree on them."""
+SINGLE_COPY_MODES = ("off", "on", "auto")  # TCOLL_SHM_SINGLE_COPY, as rank 0 sends it (its index)
+
+
+def encode_address(slot: int, one_step: int, piece: int, segment: Segment, single_copy: str = "off") -> np.ndarray:
+    """The ADDRESS_BYTES rank 0 broadcasts: slot size, one-step limit, piece size, its single-copy setting
+    (SINGLE_COPY_MODES), path and memfd name of `segment` (all zero: it failed). Every rank takes rank 0's
+    slot, limit, piece and setting, so the ranks' settings cannot disagree on them."""
     out = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
-    encoded = f"{slot}:{one_step}:{piece}:{int(single_copy)}:{segment.path}:{segment.name or ''}".encode()
+    mode = SINGLE_COPY_MODES.index(single_copy)
+    encoded = f"{slot}:{one_step}:{piece}:{mode}:{segment.path}:{segment.name or ''}".encode()
     if len(encoded) > ADDRESS_BYTES:
         raise TransportError(f"the arena's address {encoded!r} exceeds {ADDRESS_BYTES} bytes")
     out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
     return out
 
 
-def decode_address(address: np.ndarray) -> tuple[int, int, int, bool, str, str | None] | None:
-    """(slot, one-step limit, piece, single copies, path, memfd name or None) from what encode_address made, or
-    None if rank 0 could not create it."""
+def decode_address(address: np.ndarray) -> tuple[int, int, int, str, str, str | None] | None:
+    """(slot, one-step limit, piece, single-copy setting, path, memfd name or None) from what encode_address
+    made, or None if rank 0 could not create it."""
     text = bytes(address).rstrip(b"\0").decode()
     if not text:
         return None
     slot, one_step, piece, single, path, name = text.split(":")  # names and paths are made of run ids: no ':'
-    return int(slot), int(one_step), int(piece), single == "1", path, name or None
+    return int(slot), int(one_step), int(piece), SINGLE_COPY_MODES[int(single)], path, name or None

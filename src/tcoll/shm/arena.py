@@ -104,6 +104,7 @@ class Arena(Lending):
         self.kernel = self._make_kernel(buf, desc_at, data_at)
         self._desc_address = np.frombuffer(buf, dtype=np.uint64, count=1, offset=desc_at).ctypes.data
         self.single_copy = False  # every rank reads every other's memory in one copy (decide_single_copy)
+        self.reduce_by_single_copy = False  # and a large all_reduce does (TCOLL_SHM_SINGLE_COPY=on on rank 0)
         self._scratch: np.ndarray | None = None
         spin = engine.spin  # the C kernel polls at most this long (then Python waits, as _wait does)
         self.kernel_spin_ns = int((spin.max_s if spin.oversubscribed else spin.fast_s) * 1e9)

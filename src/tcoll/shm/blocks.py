@@ -19,6 +19,7 @@ from ..ops import Op
 from .arena import LENDING_STEPS, ZERO_COPY_BYTES, Arena
 from .bridge import combine_all, copy_bytes, kernel_codes, may_fail, run_phases
 from .kernel_abi import kernel_module
+from .lending import by_address, read_lent
 
 # How far the kernel's one step of a call got (its run_blocks); without the kernel, never started.
 NOT_STARTED, PUBLISHED, DONE = ((kernel_module.NOT_STARTED, kernel_module.PUBLISHED, kernel_module.DONE)
@@ -123,6 +124,11 @@ def all_gather(arena: Arena, out: np.ndarray, counts: list[int], source: np.ndar
     disp = [d * item for d in displacements(counts)]
     nbytes = [n * item for n in counts]
     own = raw[disp[me]:disp[me] + nbytes[me]] if source is None else source.reshape(-1).view(np.uint8)
+    if by_address(arena, sum(nbytes)):
+        if source is not None:
+            copy_bytes(arena, raw[disp[me]:disp[me] + nbytes[me]], own)
+        read_lent(arena, own, sum(nbytes), [(q, 0, raw[disp[q]:disp[q] + nbytes[q]]) for q in range(size) if q != me])
+        return
     piece = arena.slot_bytes  # bytes: blocks are only moved
     steps = _steps(nbytes, piece)
     state = _in_kernel(arena, "ALL_GATHER", own, raw, nbytes, steps == 1)
@@ -376,6 +382,10 @@ def all_to_all(arena: Arena, send: np.ndarray, out: np.ndarray, send_counts: lis
     if size == 1:
         return
     raw, out_raw = send.view(np.uint8), out.view(np.uint8)
+    if by_address(arena, total):
+        reads = [(q, me * block, out_raw[q * block:(q + 1) * block]) for q in range(size) if q != me]
+        read_lent(arena, raw, total, reads)
+        return
     share = _share(arena)
     steps = _steps([block], share)
     state = _in_kernel(arena, "ALL_TO_ALL", raw, out_raw, [block] * size, steps == 1)

@@ -87,7 +87,8 @@ def reduce_large(arena: Arena, raw: np.ndarray, dtype: np.dtype, op: Op, root: i
     again for the rest. An all_reduce whose every rank lent its buffer goes on in place after the first step
     instead (all_reduce_in_place): the descriptors say so alike on every rank, and nobody copied anything in.
     """
-    run_phases(_Pieces(arena, raw, dtype, op, root, arena.lend(raw, raw.nbytes, anywhere=root is None)))
+    lent = arena.lend(raw, raw.nbytes, anywhere=root is None and arena.reduce_by_single_copy)
+    run_phases(_Pieces(arena, raw, dtype, op, root, lent))
 
 
 class _Pieces:

@@ -17,7 +17,7 @@ from ..errors import PeerLostError, TcollError, TimeoutError
 
 from . import single_copy
 
-__all__ = ["Lending", "ZERO_COPY_BYTES"]
+__all__ = ["Lending", "ZERO_COPY_BYTES", "SINGLE_COPY_BYTES", "by_address", "read_lent"]
 
 ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared memory
 # Words of a rank's descriptors that no call writes: set 0's hold its pid and the address of that word in its
@@ -25,6 +25,33 @@ ZERO_COPY_BYTES = 64 << 10  # calls from this size look for buffers in shared me
 # sequence number of the last call it left, having failed it (leave).
 _PID_WORD, _ADDRESS_WORD, _VERDICT_WORD, _CAN, _CANNOT, _QUIT_WORD = 6, 7, 6, 1, 2, 7  # (_CAN, _CANNOT: verdicts)
 _SINGLE_COPY_FLAG = 1 << 63  # a descriptor's heap-id word with this bit: the buffer is read by single copies
+
+
+# From this many bytes in all (each rank's blocks together), an all_gather or all_to_all (tcoll.shm.blocks)
+# reads every other rank's blocks where they lie, one kernel copy each (process_vm_readv), where the arena
+# reads by single copies (Arena.single_copy): the slots cost each byte two copies. 2-core Xeon, 2 ranks, one block read against two
+# copies: 1 MiB 118 / 150 us, 4 MiB 444 / 686, 16 MiB 1722 / 3022 (docs/performance.md).
+SINGLE_COPY_BYTES = 1 << 20
+
+
+def by_address(arena: Any, total: int) -> bool:
+    """Whether a block collective of `total` bytes reads the others' blocks by single copies (the same answer
+    on every rank: the arena's single_copy is agreed, and so is the call's size)."""
+    return arena.single_copy and total >= SINGLE_COPY_BYTES
+
+
+def read_lent(arena: Any, own: np.ndarray, total: int, reads: list[tuple[int, int, np.ndarray]]) -> None:
+    """A block collective in one step and a closing one: lend `own` (this rank's blocks, where they lie), agree,
+    copy each (rank, offset in what it lent, destination) of `reads` out of the others' buffers, and wait in
+    the closing step until every rank has read this one's (finish_lending), so the caller may change it.
+    Every rank lends (by_address is the same everywhere; peer_source names a rank that did not: a defect).
+    """
+    step = arena.first_step(arena.lend(own, total, anywhere=True))
+    arena.publish(step)
+    arena.agree(step)
+    for rank, lo, into in reads:
+        arena.read_peer(rank, arena.peer_source(step, rank), lo, into)
+    arena.finish_lending(total, True)
 
 
 class Lending:
@@ -126,9 +153,9 @@ class Lending:
         """What the others read of `raw`, if a call of `total` bytes is large enough to lend it: where it lies in
         this rank's shared buffers; else, if `anywhere` and the arena reads by single copies, its address here
         (peer_source tells the two apart); else None (it is copied into the slots)."""
-        if total < ZERO_COPY_BYTES or self.heap is None:
+        if total < ZERO_COPY_BYTES:
             return None
-        ref = self.heap.locate(raw)
+        ref = None if self.heap is None else self.heap.locate(raw)
         if ref is None and anywhere and self.single_copy:
             ref = (_SINGLE_COPY_FLAG, raw.__array_interface__["data"][0], raw.nbytes)
         return ref

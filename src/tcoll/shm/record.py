@@ -111,6 +111,7 @@ class RecordingArena:
         self.piece_bytes = agreed_piece(slot_bytes)
         self.step = self.first = 0
         self.heap = None
+        self.single_copy = self.reduce_by_single_copy = False  # (nothing is read by single copies either)
         self.kernel = None  # the schedule is the one the Python steps (which the C kernel mirrors) take
         self.pending = 0  # (no express call left a kernel state)
         self.oversubscribed = False

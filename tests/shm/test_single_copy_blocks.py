@@ -1,0 +1,88 @@
+"""All_gathers and all_to_alls of 1 MiB or more that read the other ranks' arrays where they lie, one kernel copy
+each (tcoll.shm.lending.read_lent, TCOLL_SHM_SINGLE_COPY=auto, the default).
+
+Every result is NumPy's; every call refills the same input at once after it returns, so a rank that returned
+before the others read its input would show in their next results; the ranks take the path only if all can.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tcoll
+from tcoll.shm import single_copy
+from tcoll.shm.lending import SINGLE_COPY_BYTES
+
+pytestmark = [pytest.mark.usefixtures("no_leftovers"),
+              pytest.mark.skipif(not single_copy.available(), reason="no process_vm_readv here")]
+
+CALLS = 6
+ROWS = (SINGLE_COPY_BYTES // 8) // 2 + 1001  # float64 items of each rank's block: 2 ranks' blocks are above the limit
+
+
+def _block(rank: int, call: int, count: int) -> np.ndarray:
+    return (np.arange(count, dtype=np.float64) * (rank + 2) + 1000.0 * call + rank) % 8191
+
+
+def gathers_and_exchanges(comm: tcoll.Communicator) -> dict[str, Any]:
+    """all_gather, all_gatherv (uneven: rank r has ROWS + 517 r items) and all_to_all, CALLS times each on
+    the same arrays, refilled at once after each call; returns which results differed from NumPy's."""
+    size, rank, wrong = comm.size, comm.rank, []
+    mine, uneven = np.empty(ROWS), np.empty(ROWS + 517 * rank)
+    out = np.empty((size, ROWS))
+    send, received = np.empty((size, ROWS)), np.empty((size, ROWS))
+    for call in range(CALLS):
+        mine[...] = _block(rank, call, ROWS)
+        comm.all_gather(mine, out)
+        mine[...] = -1.0  # (at once: a peer still reading it would see this)
+        if not np.array_equal(out, np.stack([_block(q, call, ROWS) for q in range(size)])):
+            wrong.append(f"all_gather {call}")
+        uneven[...] = _block(rank, call, uneven.size)
+        gathered = comm.all_gatherv(uneven)
+        uneven[...] = -1.0
+        if not all(np.array_equal(gathered[q], _block(q, call, ROWS + 517 * q)) for q in range(size)):
+            wrong.append(f"all_gatherv {call}")
+        for q in range(size):
+            send[q] = _block(rank * size + q, call, ROWS)
+        comm.all_to_all(send, received)
+        send[...] = -1.0
+        if not np.array_equal(received, np.stack([_block(q * size + rank, call, ROWS) for q in range(size)])):
+            wrong.append(f"all_to_all {call}")
+    return {"wrong": wrong, "single_copy": comm.core.dispatch.arena.single_copy}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_blocks_read_where_they_lie_are_numpys(size: int) -> None:
+    reports = tcoll.spawn(gathers_and_exchanges, size, timeout=100, transport="shm")
+    assert reports == [{"wrong": [], "single_copy": True}] * size
+
+
+@pytest.mark.timeout(60)
+def test_thread_ranks_read_their_own_process() -> None:
+    reports = tcoll.spawn(gathers_and_exchanges, 3, threads=True, timeout=50)
+    assert reports == [{"wrong": [], "single_copy": True}] * 3
+
+
+@pytest.mark.timeout(60)
+def test_off_moves_them_through_the_slots() -> None:
+    reports = tcoll.spawn(gathers_and_exchanges, 3, timeout=50, transport="shm", shm_single_copy="off")
+    assert reports == [{"wrong": [], "single_copy": False}] * 3
+
+
+def refused_on_rank_2(comm: tcoll.Communicator) -> dict[str, Any]:
+    """Rank 2 may not read the others (as where ptrace is refused): no rank takes the path."""
+    if comm.rank == 2:
+        def refuse(pid: int, address: int, dest: np.ndarray) -> None:
+            raise single_copy.ReadFailed(1, "process_vm_readv: Operation not permitted")
+        single_copy.read_into = refuse  # (this process only, before the arena opens)
+    return gathers_and_exchanges(comm)
+
+
+@pytest.mark.timeout(60)
+def test_one_rank_that_cannot_read_keeps_every_rank_on_the_slots() -> None:
+    reports = tcoll.spawn(refused_on_rank_2, 3, timeout=50, transport="shm")
+    assert reports == [{"wrong": [], "single_copy": False}] * 3
