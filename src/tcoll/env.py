@@ -133,7 +133,7 @@ class Settings:
             in Python (the same results; for comparing, or suspecting them) (TCOLL_SHM_KERNEL).
         shm_single_copy: where every rank of the host may read every other's memory (process_vm_readv,
             probed when the arena opens), "auto" (the default): a shared-memory all_gather or all_to_all of
-            1 MiB or more reads the other ranks' arrays where they lie, one kernel copy instead of two through
+            2 MiB or more reads the other ranks' arrays where they lie, one kernel copy instead of two through
             the arena's slots; "on": an all_reduce larger than a slot too (not faster on the CPUs measured:
             docs/performance.md); "off": every byte through the slots (TCOLL_SHM_SINGLE_COPY).
         auth_key: shared secret; when set, every TCP connection is authenticated with

@@ -29,9 +29,12 @@ _SINGLE_COPY_FLAG = 1 << 63  # a descriptor's heap-id word with this bit: the bu
 
 # From this many bytes in all (each rank's blocks together), an all_gather or all_to_all (tcoll.shm.blocks)
 # reads every other rank's blocks where they lie, one kernel copy each (process_vm_readv), where the arena
-# reads by single copies (Arena.single_copy): the slots cost each byte two copies. 2-core Xeon, 2 ranks, one block read against two
-# copies: 1 MiB 118 / 150 us, 4 MiB 444 / 686, 16 MiB 1722 / 3022 (docs/performance.md).
-SINGLE_COPY_BYTES = 1 << 20
+# reads by single copies (Arena.single_copy): the slots cost each byte two copies. 2-core Xeon, 2 ranks, one
+# block read against two copies: 1 MiB 118 / 150 us, 4 MiB 444 / 686, 16 MiB 1722 / 3022. But the path's steps
+# run in Python, about 30 us a call more than the slots' C kernel: all_gather and all_to_all of 128-512 KiB
+# took 49-94 us against 20-77, 1 MiB tied (184-310 against 186-192), 2 MiB won (342-420 against 437-486)
+# (docs/performance.md).
+SINGLE_COPY_BYTES = 2 << 20
 
 
 def by_address(arena: Any, total: int) -> bool:
