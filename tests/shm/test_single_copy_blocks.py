@@ -1,5 +1,5 @@
-"""All_gathers and all_to_alls of SINGLE_COPY_BYTES (2 MiB) or more that read the other ranks' arrays where they lie, one kernel copy
-each (tcoll.shm.lending.read_lent, TCOLL_SHM_SINGLE_COPY=auto, the default).
+"""All_gathers and all_to_alls of SINGLE_COPY_BYTES (2 MiB) or more that read the other ranks' arrays where they
+lie, one kernel copy each (tcoll.shm.lending.read_lent, TCOLL_SHM_SINGLE_COPY=auto, the default).
 
 Every result is NumPy's; every call refills the same input at once after it returns, so a rank that returned
 before the others read its input would show in their next results; the ranks take the path only if all can.
