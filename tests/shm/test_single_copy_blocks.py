@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import tcoll
+from tcoll.errors import MismatchError
 from tcoll.shm import single_copy
 from tcoll.shm.lending import SINGLE_COPY_BYTES
 
@@ -86,3 +87,23 @@ def refused_on_rank_2(comm: tcoll.Communicator) -> dict[str, Any]:
 def test_one_rank_that_cannot_read_keeps_every_rank_on_the_slots() -> None:
     reports = tcoll.spawn(refused_on_rank_2, 3, timeout=50, transport="shm")
     assert reports == [{"wrong": [], "single_copy": False}] * 3
+
+
+def sizes_disagree(comm: tcoll.Communicator) -> list[str]:
+    """Rank 1's blocks are below SINGLE_COPY_BYTES in all where the others' are above it (so it takes the
+    slots where they read by address): every rank must get a MismatchError from both calls, none a result."""
+    rows = ROWS // 4 if comm.rank == 1 else ROWS
+    found = []
+    for call in (lambda: comm.all_gather(np.ones(rows)), lambda: comm.all_to_all(np.ones((comm.size, rows)))):
+        try:
+            call()
+            found.append("no error")
+        except MismatchError as exc:
+            found.append(type(exc).__name__)
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_ranks_whose_sizes_disagree_across_the_limit_all_get_a_mismatch() -> None:
+    reports = tcoll.spawn(sizes_disagree, 3, timeout=50, transport="shm")
+    assert reports == [["MismatchError", "MismatchError"]] * 3
