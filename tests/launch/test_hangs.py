@@ -402,3 +402,35 @@ def test_a_threads_stack_is_copied_so_it_can_be_read_after_the_thread_ran_on() -
     assert user.f_code.co_name == "parked" and status.source_line(user) == "go.wait()"
     assert status.stack_top(copied)[0].endswith("in wait") and not status.in_tcoll(copied)
     assert status.frames_of(copied)[-1]["name"] == "_bootstrap"
+
+
+def test_a_stack_in_a_module_under_a_non_ascii_path_keeps_its_names(tmp_path: Path, monkeypatch: Any) -> None:
+    """faulthandler's dump writes non-ASCII characters as escapes; the snapshot turns them back, so the line
+    is found and the frame is the user's. With no memfd to dump into, a temporary file serves."""
+    import importlib.util
+    import threading
+
+    folder = tmp_path / "josé_ß"
+    folder.mkdir()
+    (folder / "parked_módulo.py").write_text("def parked(entered, go):\n    entered.set()\n    go.wait()\n")
+    spec = importlib.util.spec_from_file_location("parked_modulo", folder / "parked_módulo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def refused(name: str, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "memfd_create", refused, raising=False)
+    entered, go = threading.Event(), threading.Event()
+    thread = threading.Thread(target=module.parked, args=(entered, go))
+    thread.start()
+    entered.wait()
+    try:
+        copied = status.thread_frames()[thread.ident]
+    finally:
+        go.set()
+        thread.join()
+    user = status.user_frame(copied)
+    assert user.f_code.co_filename == str(folder / "parked_módulo.py")
+    assert user.f_code.co_name == "parked" and status.source_line(user) == "go.wait()"
+    assert not status.in_tcoll(copied)

@@ -242,27 +242,41 @@ class FrameSnapshot:
 
 _DUMP_THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-fA-F]+) ")
 _DUMP_FRAME = re.compile(r'^  File "(.*)", line (\d+|\?+) in (.*)$')
+_ESCAPE = re.compile(r"\\x([0-9a-f]{2})|\\u([0-9a-f]{4})|\\U([0-9a-f]{8})")
 
 
 def thread_frames() -> dict[int, FrameSnapshot | None]:
-    """Every thread's current stack, by thread id, as snapshots (the innermost 100 frames of each).
+    """Every thread's current stack, by thread id, as snapshots; {} if it could not be dumped.
 
     The stacks come from faulthandler's dump, which reads the interpreter's frames in C under the GIL and
     makes no frame object. Walking other threads' frame objects (sys._current_frames, f_back) has crashed
     CPython 3.11 in this reporter three times, each time after a mitigation (cpython#99110, #111363): a
-    thread's frames are popped and reused under the walker.
+    thread's frames are popped and reused under the walker. The dump's limits hold here too: the innermost
+    100 frames of each thread, and 100 threads, the newest first (a process of more threads, such as one of
+    100 thread ranks, has no stack for its oldest ones); file names longer than 500 characters are cut.
     """
-    return _parse_dump(_dump_threads())
+    try:
+        return _parse_dump(_dump_threads())
+    except (OSError, ValueError):  # (no memfd nor temporary file: the report goes on without stacks)
+        return {}
 
 
 def _dump_threads() -> str:
-    """faulthandler's dump of every thread's stack, as text."""
-    out = os.fdopen(os.memfd_create("tcoll-frames"), "w+b") if hasattr(os, "memfd_create") else \
-        tempfile.TemporaryFile()
+    """faulthandler's dump of every thread's stack, as text (in a memfd, or a temporary file where none)."""
+    try:
+        out = os.fdopen(os.memfd_create("tcoll-frames"), "w+b")
+    except (AttributeError, OSError):  # (no memfd_create here, or refused: ENOSYS, EPERM, EMFILE)
+        out = tempfile.TemporaryFile()
     with out:
         faulthandler.dump_traceback(out, all_threads=True)
         out.seek(0)
         return out.read().decode("utf-8", "backslashreplace")
+
+
+def _unescape(text: str) -> str:
+    """A name as faulthandler wrote it, with its escapes (\\xNN, \\uNNNN, \\UNNNNNNNN of each character
+    outside printable ASCII) turned back into the characters, so that paths such as /home/josé match."""
+    return _ESCAPE.sub(lambda found: chr(int(found.group(1) or found.group(2) or found.group(3), 16)), text)
 
 
 def _parse_dump(text: str) -> dict[int, FrameSnapshot | None]:
@@ -275,7 +289,7 @@ def _parse_dump(text: str) -> dict[int, FrameSnapshot | None]:
             frames = stacks.setdefault(int(thread.group(1), 16), [])
         elif frame:
             filename, lineno, name = frame.groups()
-            frames.append((filename, int(lineno) if lineno.isdigit() else 0, name))
+            frames.append((_unescape(filename), int(lineno) if lineno.isdigit() else 0, _unescape(name)))
     copied = {}
     for ident, stack in stacks.items():
         back = None
