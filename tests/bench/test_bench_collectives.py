@@ -374,6 +374,7 @@ def _load_pids() -> list[int]:
     return pids
 
 
+@pytest.mark.alone  # (it counts every load process of the machine, and makes some)
 @pytest.mark.timeout(30)
 def test_load_processes_run_and_are_stopped_even_on_error() -> None:
     before = set(_load_pids())
@@ -385,6 +386,7 @@ def test_load_processes_run_and_are_stopped_even_on_error() -> None:
     assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
+@pytest.mark.alone  # (it counts every load process of the machine, and makes some)
 @pytest.mark.timeout(60)
 def test_cli_prints_header_markdown_and_json_with_load(tmp_path: Path) -> None:
     before = set(_load_pids())

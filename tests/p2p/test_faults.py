@@ -255,6 +255,7 @@ def _check_spawn_error(error: SpawnError, how: str) -> None:
         assert isinstance(error.__cause__, RuntimeError)
 
 
+@pytest.mark.alone  # (later calls to the lost rank must fail within 0.5 s)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport,how", LOSSES)
 def test_peer_lost_while_others_block_in_recv(transport: str, how: str, tmp_path: Path) -> None:
@@ -269,6 +270,7 @@ def test_peer_lost_while_others_block_in_recv(transport: str, how: str, tmp_path
         assert shm_segments(report["run_id"]) == []
 
 
+@pytest.mark.alone  # (later calls to the lost rank must fail within 0.5 s)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport,how", LOSSES)
 def test_peer_lost_while_sender_blocked(transport: str, how: str, tmp_path: Path) -> None:

@@ -231,6 +231,7 @@ def what_the_report_says(comm: tcoll.Communicator) -> tuple[int, dict[str, Any],
 
 
 @needs_kernel
+@pytest.mark.alone  # (both ranks must come within the kernel's spin at least once)
 @pytest.mark.timeout(60)
 def test_express_calls_leave_what_the_python_path_records() -> None:
     for sequence, state, (label, stamp) in tcoll.spawn(what_the_report_says, 2, timeout=50, transport="shm"):
@@ -303,6 +304,7 @@ def repeated_broadcasts(comm: tcoll.Communicator, count: int, calls: int) -> dic
 
 
 @needs_kernel
+@pytest.mark.alone  # (on 2 ranks every rank must come within the kernel's spin)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size,count", [(2, 5), (2, 3000), (3, 5), (5, 3000)])
 def test_repeated_broadcasts_match_roots_data(size: int, count: int) -> None:
@@ -374,6 +376,7 @@ def barriers_in_order(comm: tcoll.Communicator, path: str) -> dict[str, Any]:
 
 
 @needs_kernel
+@pytest.mark.alone  # (on 2 ranks every rank must come within the kernel's spin)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", [2, 3])
 def test_express_barriers_hold_every_rank_until_all_came(size: int, tmp_path: Any) -> None:

@@ -87,6 +87,7 @@ def express_calls(comm: tcoll.Communicator, count: int) -> tuple[list[str], int]
 
 
 @needs_kernel
+@pytest.mark.alone  # (on 2 ranks every rank must come within the kernel's spin)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size,count", [(2, 1), (2, 1000), (2, 20_000), (3, 50), (4, 1000)])
 def test_repeated_calls_run_whole_in_c(size: int, count: int) -> None:
