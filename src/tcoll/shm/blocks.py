@@ -47,7 +47,8 @@ def _in_kernel(arena: Arena, kind: str, send: np.ndarray, out: np.ndarray | None
     """A call's one step in the arena's C kernel, where it takes it: every block alike (`nbytes`), one step
     (`one_step`), and this rank's buffer not lent. The kernel lays the slots out as the Python steps do, so
     ranks that take either way pair; a call large enough to lend (ZERO_COPY_BYTES in all, but an all_gather,
-    which never lends) ends with the lenders' step there too, and one another rank lent in goes on in Python.
+    which lends only by its address, read_lent, before it comes here) ends with the lenders' step there too,
+    and one another rank lent in goes on in Python.
 
     Args:
         kind: "ALL_GATHER", "GATHER", "ALL_TO_ALL" or "REDUCE_SCATTER" (the kernel's BLOCKS_* codes).

@@ -24,7 +24,10 @@ No buffer is lent (the stand-in has no heap): the schedule is that of buffers
 outside shared memory, which go through the slots; a buffer from
 `Communicator.empty` is read in place instead, and the calls large enough to
 lend take their closing step all the same (an all_reduce whose every rank lent
-goes in place instead, tcoll.shm.large.all_reduce_in_place: not recorded).
+goes in place instead, tcoll.shm.large.all_reduce_in_place: not recorded). Nor
+is anything read by single copies (the stand-in's single_copy is False): an
+all_gather or all_to_all of 2 MiB or more is recorded on the slots, as with
+TCOLL_SHM_SINGLE_COPY=off.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ collectives copy it into the arena and the other ranks copy it out again:
 two copies of every byte that crosses between ranks. With cross-memory
 attach the kernel copies straight from the other process's pages into
 this one's, once. MPICH and Open MPI use it for large messages on one
-host ("CMA"); with TCOLL_SHM_SINGLE_COPY=on (off by default: slower than
-the arena's slots on the CPU measured, docs/performance.md), tcoll's large
-all_reduce uses it where every rank of the arena can read every other
-(tcoll.shm.vector).
+host ("CMA"). Where every rank of the arena can read every other, tcoll's
+all_gather and all_to_all of 2 MiB or more use it by default
+(TCOLL_SHM_SINGLE_COPY=auto, tcoll.shm.lending.read_lent), and its large
+all_reduce with TCOLL_SHM_SINGLE_COPY=on (not faster than the arena's slots
+on the CPU measured, docs/performance.md).
 
-Whether it can is decided once per arena, when it opens (if rank 0 asks): each rank writes
+Whether it can is decided once per arena, when it opens (unless rank 0 has it off): each rank writes
 its pid and the address of a word of its own into the arena, reads that
 word of every other rank through process_vm_readv, and writes its verdict;
 the arena uses single copies only if every verdict is yes, so every rank
