@@ -148,7 +148,8 @@ class Lending:
             except PeerLostError as lost:  # gone: that is the error
                 raise self._fail(lost) from None
             raise self._fail(TcollError(f"{self.label} #{self.sequence} (shm): reading rank {rank}'s buffer in "
-                                        f"place failed: {exc}")) from None
+                                        f"place failed: {exc} (memory the kernel cannot copy from: "
+                                        f"TCOLL_SHM_SINGLE_COPY=off moves it through the arena)")) from None
 
     # -- zero-copy buffers -------------------------------------------------------------
 
