@@ -72,11 +72,19 @@ CASES = ([(2, count, dtype) for count in (3, 3000) for dtype in ("float32", "int
 @pytest.mark.parametrize("size,count,dtype", CASES, ids=[f"{s}-{'one-step' if c == 3 else 'three-steps'}-{d}"
                                                           for s, c, d in CASES])
 def test_repeated_calls_match_numpy(size: int, count: int, dtype: str) -> None:
-    results = tcoll.spawn(repeated_calls, size, (count, dtype, 24), timeout=100, transport="shm", shm_slot=SLOT,
+    tcoll.spawn(repeated_calls, size, (count, dtype, 24), timeout=100, transport="shm", shm_slot=SLOT,
+                shm_one_step=1024)
+
+
+@needs_kernel
+@pytest.mark.alone  # (a call runs whole in C only when every rank comes within the kernel's spin)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("count,dtype", [(count, dtype) for size, count, dtype in CASES if size == 2])
+def test_repeated_calls_on_two_ranks_run_whole_in_c(count: int, dtype: str) -> None:
+    results = tcoll.spawn(repeated_calls, 2, (count, dtype, 24), timeout=100, transport="shm", shm_slot=SLOT,
                           shm_one_step=1024)
-    if size == 2:  # (more ranks than cores: a call runs whole only when every rank comes within the spin)
-        assert all(counts["all_reduce"] > 0 and counts["plan"] > 0 and counts["reduce"] > 0
-                   for counts in results), results
+    assert all(counts["all_reduce"] > 0 and counts["plan"] > 0 and counts["reduce"] > 0
+               for counts in results), results
 
 
 def late_peers(comm: tcoll.Communicator, count: int) -> tuple[int, int]:

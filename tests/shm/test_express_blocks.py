@@ -95,11 +95,19 @@ CASES = [("all_gather", 3, "float32"), ("all_gather", 700, "int64"), ("gather", 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("name,count,dtype", CASES, ids=[f"{n}-{c}-{d}" for n, c, d in CASES])
-def test_repeated_block_calls_match_numpy_and_run_express(size: int, name: str, count: int, dtype: str) -> None:
+def test_repeated_block_calls_match_numpy(size: int, name: str, count: int, dtype: str) -> None:
     results = tcoll.spawn(repeated, size, (name, count, dtype, 30), timeout=100, transport="shm")
     assert not [f for bad, _, _ in results for f in bad], results
-    if size == 2:  # (more ranks than cores: a call runs whole only when every rank comes within the spin)
-        assert all(express > 0 and planned > 0 for _, express, planned in results), results
+
+
+@needs_kernel
+@pytest.mark.alone  # (a call runs whole in C only when every rank comes within the kernel's spin)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,count,dtype", CASES, ids=[f"{n}-{c}-{d}" for n, c, d in CASES])
+def test_repeated_block_calls_on_two_ranks_run_express(name: str, count: int, dtype: str) -> None:
+    results = tcoll.spawn(repeated, 2, (name, count, dtype, 30), timeout=100, transport="shm")
+    assert not [f for bad, _, _ in results for f in bad], results
+    assert all(express > 0 and planned > 0 for _, express, planned in results), results
 
 
 def arrays_that_change(comm: tcoll.Communicator) -> list[str]:
@@ -216,6 +224,7 @@ def new_outputs(comm: tcoll.Communicator, name: str) -> tuple[list[str], int]:
 
 
 @needs_kernel
+@pytest.mark.alone  # (a call runs whole in C only when every rank comes within the kernel's spin)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["all_gather", "gather", "all_to_all", "reduce_scatter"])
 def test_calls_without_out_return_a_new_array_each_time(name: str) -> None:
