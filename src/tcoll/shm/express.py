@@ -199,7 +199,7 @@ def _build_blocks(dispatcher: Any, prepared: Any, x: Any) -> Any:
         if codes is None or len(set(call.args[2])) != 1:
             return None
     if collective in ("all_gather", "all_to_all") and by_address(arena, block * size):
-        return None  # (every rank reads the others' blocks where they lie: blocks._read_lent)
+        return None  # (every rank reads the others' blocks where they lie: lending.read_lent)
     lending = collective != "all_gather" and block * size >= ZERO_COPY_BYTES  # (see blocks._in_kernel)
     if lending and arena.lend(send.reshape(-1).view(np.uint8), block * size) is not None:
         return None
