@@ -360,37 +360,46 @@ def test_usage_errors_are_clear(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
 # -- the command and the load --------------------------------------------------------------------------
 
 
-def _load_pids() -> list[int]:
-    """Processes of this user running the bench's load loop."""
+_TOKEN = "TCOLL_TEST_LOAD_TOKEN"  # in the environment of the load processes a test starts, and only theirs
+
+
+def _load_pids(token: str) -> list[int]:
+    """Processes running the bench's load loop that this test started (their environment carries `token`):
+    other jobs on the machine may run loads of their own."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    if LOAD_MARKER.encode() in handle.read().split(b"\0"):
+                    if LOAD_MARKER.encode() not in handle.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    if f"{_TOKEN}={token}".encode() in handle.read().split(b"\0"):
                         pids.append(int(entry))
             except OSError:
                 pass
     return pids
 
 
-@pytest.mark.alone  # (it counts every load process of the machine, and makes some)
+@pytest.mark.alone  # (its busy processes would slow the tests beside it)
 @pytest.mark.timeout(30)
-def test_load_processes_run_and_are_stopped_even_on_error() -> None:
-    before = set(_load_pids())
+def test_load_processes_run_and_are_stopped_even_on_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    token = os.urandom(8).hex()
+    monkeypatch.setenv(_TOKEN, token)
     with pytest.raises(KeyboardInterrupt), LoadGenerator(2) as load:
         pids = [proc.pid for proc in load.procs]
         assert len(pids) == 2 and all(proc.poll() is None for proc in load.procs)
+        assert sorted(pids) == sorted(_load_pids(token))
         raise KeyboardInterrupt
-    assert not set(_load_pids()) - before
+    assert _load_pids(token) == []
     assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
-@pytest.mark.alone  # (it counts every load process of the machine, and makes some)
+@pytest.mark.alone  # (its busy processes would slow the tests beside it)
 @pytest.mark.timeout(60)
 def test_cli_prints_header_markdown_and_json_with_load(tmp_path: Path) -> None:
-    before = set(_load_pids())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    token = os.urandom(8).hex()
+    env = dict(os.environ, **{_TOKEN: token}, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     out_json = tmp_path / "r.json"
     result = subprocess.run([sys.executable, "-m", "tcoll", "bench", "broadcast,gather", "-n", "3", "-b", "64",
                              "-e", "4K", "-f", "64", "--repeats", "2", "--iters", "3", "--check", "--markdown",
@@ -408,4 +417,4 @@ def test_cli_prints_header_markdown_and_json_with_load(tmp_path: Path) -> None:
     data = json.loads(out_json.read_text())
     assert data["header"]["load"] == 1 and len(data["samples"]) == 2 * 4
     assert all(r["wrong"] == 0 and len(r["times"]) == 2 for r in data["results"])
-    assert not set(_load_pids()) - before
+    assert _load_pids(token) == []
