@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tcoll
-from tcoll.errors import MismatchError
+from tcoll.errors import MismatchError, PeerFailedError, TcollError
 from tcoll.shm import single_copy
 from tcoll.shm.lending import SINGLE_COPY_BYTES
 
@@ -107,3 +107,33 @@ def sizes_disagree(comm: tcoll.Communicator) -> list[str]:
 def test_ranks_whose_sizes_disagree_across_the_limit_all_get_a_mismatch() -> None:
     reports = tcoll.spawn(sizes_disagree, 3, timeout=50, transport="shm")
     assert reports == [["MismatchError", "MismatchError"]] * 3
+
+
+def a_read_fails_on_rank_1(comm: tcoll.Communicator) -> tuple[str, int, bool]:
+    """After the arena agreed on single copies, rank 1's reads fail (memory the kernel cannot copy from): every
+    rank must raise, naming rank 1 (it: its own error), none return; what each raised, the rank it names, and
+    whether a later call with readable memory is right."""
+    comm.all_gather(np.ones(8))  # (the arena is open: every rank said it can read every other)
+    if comm.rank == 1:
+        def refuse(pid: int, address: int, dest: np.ndarray) -> None:
+            raise single_copy.ReadFailed(14, "process_vm_readv: Bad address")
+        saved, single_copy.read_into = single_copy.read_into, refuse
+    try:
+        comm.all_gather(np.full(ROWS, float(comm.rank)))
+        raised, named = "no error", -1
+    except PeerFailedError as exc:
+        raised, named = type(exc).__name__, exc.rank
+    except TcollError as exc:
+        raised, named = type(exc).__name__, comm.rank
+    if comm.rank == 1:
+        single_copy.read_into = saved
+    again = comm.all_gather(np.full(ROWS, float(comm.rank)))
+    return raised, named, bool(np.array_equal(again, np.repeat(np.arange(comm.size, dtype=float), ROWS).reshape(
+        comm.size, ROWS)))
+
+
+@pytest.mark.timeout(60)
+def test_a_read_that_fails_on_one_rank_fails_the_call_on_every_rank() -> None:
+    reports = tcoll.spawn(a_read_fails_on_rank_1, 3, timeout=50, transport="shm")
+    assert reports[1] == ("TcollError", 1, True), reports
+    assert reports[0] == reports[2] == ("PeerFailedError", 1, True), reports
